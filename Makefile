@@ -1,0 +1,40 @@
+# Forge's set-up and entry points. `make demo` and `make test` each work from a fresh clone
+# with nothing but Python 3.11 and pip: they create .venv, install torch through the
+# constraints file first, then the core and every first-party plugin (editable).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+PACKAGES := core plugins/forge-moe plugins/forge-optim-muon plugins/forge-wandb
+STAMP := $(VENV)/.forge-installed
+
+.PHONY: setup demo test lint format clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) constraints.txt requirements-dev.txt $(addsuffix /pyproject.toml,$(PACKAGES))
+	$(PIP) install -c constraints.txt torch==2.13.0
+	$(PIP) install -c constraints.txt -r requirements-dev.txt
+	$(PIP) install -c constraints.txt --no-build-isolation $(addprefix -e ,$(PACKAGES))
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/forge list-plugins
+
+test: setup lint
+	$(PY) -m pytest
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .ruff_cache

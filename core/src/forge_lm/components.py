@@ -1,0 +1,88 @@
+"""The contracts between the core and the components plugins register.
+
+Each category's factory signature is documented on its registration hook in
+:mod:`forge_lm.hookspecs`; the objects passed to factories, and the protocols of the objects
+they return, are defined here. This module imports no torch, so plugin modules may import
+it freely (for example to subclass :class:`WarmupOptions`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from forge_lm.validators import non_negative, positive
+
+IGNORE_INDEX = -100
+"""Label value of positions that carry no loss (padding, document boundaries)."""
+
+
+@attrs.frozen
+class DataContext:
+    """What a dataset factory needs to know about the run."""
+
+    seq_len: int
+    vocab_size: int
+    dp_rank: int = 0  # this process's index among data-parallel ranks
+    dp_size: int = 1  # data-parallel ranks: each must get a distinct slice of the data
+    seed: int = 0
+
+
+@attrs.frozen
+class MetricsContext:
+    """What a metrics backend factory needs to know about the run."""
+
+    run_dir: Path
+    run_name: str = "forge"
+
+
+@attrs.define
+class WarmupOptions:
+    """Base class for scheduler options: linear warmup over the first ``warmup_steps`` steps."""
+
+    warmup_steps: int = attrs.field(default=0, validator=non_negative)
+
+
+@attrs.define
+class LearningRateOptions:
+    """Base class for optimizer options that take a learning rate."""
+
+    lr: float = attrs.field(default=3e-4, validator=positive)
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
+class StatefulDataset(Protocol):
+    """An iterable of samples whose position can be saved and restored exactly."""
+
+    def __iter__(self) -> Iterator[dict[str, Any]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class MetricsBackend(Protocol):
+    """Receives metrics on the rank that logs (rank 0)."""
+
+    def start(self, config: Mapping[str, Any], manifest: Sequence[Mapping[str, str]]) -> None:
+        """Called once before the first step with the resolved config (plain data) and plugins."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record ``metrics`` at optimizer step ``step``. Must not raise on NaN or Inf values."""
+
+    def finish(self, summary: Mapping[str, float]) -> None:
+        """Called once at the end; flush and close. Nothing logged before may be lost."""

@@ -1,0 +1,209 @@
+"""Build a :class:`ForgeConfig` from its layers: defaults, a TOML file, command-line overrides.
+
+The layers are merged as plain data first and structured once at the end, so no value is
+fixed before every layer has had its say. Structuring walks the attrs classes itself (to
+name the section and key of every mistake, and to give each component section the options
+class of the component it selects) and leaves the typing of individual values to the
+converter.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from forge_lm.config._converter import CliValue, converter, describe
+from forge_lm.config._schema import CATEGORY, MANY, ComponentConfig, ForgeConfig, check_cross_section
+from forge_lm.errors import ConfigError, ForgeError, UsageError, did_you_mean, quoted_list
+from forge_lm.plugins import Registry
+from forge_lm.plugins._categories import singular
+from forge_lm.validators import FieldError
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist.") from None
+    except OSError as exc:
+        raise ConfigError(f"config file '{path}' cannot be read: {exc.strerror}.") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {exc}.") from None
+
+
+def parse_overrides(args: Iterable[str]) -> dict[str, Any]:
+    """``["--model.n_heads=8"]`` -> ``{"model": {"n_heads": CliValue("8")}}``."""
+    tree: dict[str, Any] = {}
+    for arg in args:
+        key, sep, value = arg.removeprefix("--").partition("=")
+        parts = key.split(".")
+        if not arg.startswith("--") or not sep or not all(parts):
+            raise UsageError(f"'{arg}' is not an override; write --section.key=value (e.g. --model.n_heads=8).")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UsageError(f"'{arg}' sets a key inside '{part}', which an earlier override set to a value.")
+        node[parts[-1]] = CliValue(value)
+    return tree
+
+
+def merge(base: Mapping[str, Any], top: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+    """``top`` layered over ``base``: tables merge key by key, any other value replaces."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and key in out:
+            if not isinstance(out[key], Mapping):
+                raise ConfigError(f"{_name(where, key)} is a value in the config file but a table in an override.")
+            out[key] = merge(out[key], value, _join(where, key))
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: Sequence[str],
+    registry: Registry,
+) -> ForgeConfig:
+    """The resolved run config. Raises :class:`ConfigError` (or :class:`UsageError`)."""
+    raw = read_toml(path) if path is not None else {}
+    layered = merge(raw, parse_overrides(overrides))
+    return structure_config(layered, registry)
+
+
+def structure_config(data: Mapping[str, Any], registry: Registry) -> ForgeConfig:
+    config = _Walker(registry).structure(ForgeConfig, data, "")
+    problems = check_cross_section(config)
+    if problems:
+        raise ConfigError("\n".join(f"{where}: {message}" for where, message in problems))
+    return config
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _name(where: str, key: str) -> str:
+    """How messages name a key: ``[model] n_heads``, or ``[model]`` for a whole section."""
+    return f"[{where}] {key}" if where else f"[{key}]"
+
+
+class _Walker:
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def structure(self, cls: type, data: Any, where: str, owner: str = "") -> Any:
+        """An instance of the attrs class ``cls`` from the table ``data`` found at ``where``."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"[{where}] must be a table, got {describe(data)}.")
+        data = dict(data)
+        fields = attrs.fields(attrs.resolve_types(cls))
+        values: dict[str, Any] = {}
+        for field in fields:
+            if field.metadata.get(MANY):
+                values[field.name] = self._component_list(field, data, where)
+        self._reject_unknown_keys(cls, data, where, owner)
+        for field in fields:
+            if field.name in values:
+                continue
+            if field.metadata.get(CATEGORY):
+                # Structured even when absent, so the default component is checked and gets options.
+                value = data.get(field.name, {})
+                values[field.name] = self._component(field.metadata[CATEGORY], value, _join(where, field.name), field)
+                continue
+            if attrs.has(field.type):
+                # Walked even when absent, so component fields nested inside get resolved too.
+                values[field.name] = self.structure(field.type, data.get(field.name, {}), _join(where, field.name))
+            elif field.name in data:
+                values[field.name] = self._value(data[field.name], field.type, where, field.name)
+        missing = [f.name for f in fields if f.name not in values and f.default is attrs.NOTHING]
+        if missing:
+            raise ConfigError(f"{_name(where, missing[0])}: required{owner and ' by ' + owner}, but not set.")
+        try:
+            return cls(**values)
+        except FieldError as exc:
+            raise ConfigError(f"{_name(where, exc.key)}: {exc.message}.") from None
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"[{where}]: {exc}.") from None
+
+    def _value(self, value: Any, tp: Any, where: str, key: str) -> Any:
+        if isinstance(value, Mapping) and not _accepts_table(tp):
+            raise ConfigError(f"{_name(where, key)}: expected a value, got a table.")
+        try:
+            return converter.structure(value, tp)
+        except ForgeError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - cattrs raises many kinds; all mean a bad value
+            message = str(exc) or type(exc).__name__
+            raise ConfigError(f"{_name(where, key)}: {message}.") from None
+
+    def _reject_unknown_keys(self, cls: type, data: Mapping[str, Any], where: str, owner: str) -> None:
+        valid = [f.name for f in attrs.fields(cls)]
+        for key in data:
+            if key not in valid:
+                subject = f"{_name(where, key)}" if where else f"[{key}]"
+                kind = "key" if where else "section"
+                context = f" for {owner}" if owner else ""
+                raise ConfigError(
+                    f"{subject}: unknown {kind}{context}.{did_you_mean(key, valid)} Valid {kind}s: {quoted_list(valid)}."
+                )
+
+    def _resolve(self, category: str, name: str, where: str) -> Any:
+        try:
+            return self.registry.resolve(category, name)
+        except ForgeError as exc:
+            raise ConfigError(f"{_name(where, 'name')} = '{name}': {exc}") from exc
+
+    def _component(self, category: str, data: Any, where: str, field: Any) -> ComponentConfig:
+        """A component section: ``name`` picks the component, the rest are its options."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"[{where}] must be a table with a 'name' key, got {describe(data)}.")
+        data = dict(data)
+        default = field.default.factory() if isinstance(field.default, attrs.Factory) else None
+        name = data.pop("name", default.name if default else None)
+        if name is None:
+            raise ConfigError(f"{_name(where, 'name')}: required; say which {singular(category)} to use.")
+        name = self._value(name, str, where, "name")
+        return self._options(category, name, data, where)
+
+    def _options(self, category: str, name: str, data: Mapping[str, Any], where: str) -> ComponentConfig:
+        found = self._resolve(category, name, where)
+        owner = f"{singular(category)} '{name}'"
+        options = self.structure(found.options_class, data, where, owner=owner)
+        return ComponentConfig(name, options)
+
+    def _component_list(self, field: Any, data: dict[str, Any], where: str) -> list[ComponentConfig]:
+        """A component-list field: names in the field, each one's options in a sibling table."""
+        category = field.metadata[CATEGORY]
+        key_where = _join(where, field.name)
+        if field.name in data:
+            names = self._value(data.pop(field.name), list[str], where, field.name)
+        else:
+            names = [c.name for c in field.default.factory()]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"{_name(where, field.name)}: lists a {singular(category)} twice: {names}.")
+        selected = []
+        for name in names:
+            bare = name.rpartition(":")[2]
+            table = data.pop(bare, {})
+            selected.append(self._options(category, name, table, _join(where, bare)))
+        known = set(self.registry.names(category))
+        for key in list(data):
+            if key in known and isinstance(data[key], Mapping):
+                raise ConfigError(
+                    f"[{_join(where, key)}] configures the {singular(category)} '{key}', which "
+                    f"{key_where} does not select; add it to {key_where} or remove the table."
+                )
+        return selected
+
+
+def _accepts_table(tp: Any) -> bool:
+    return getattr(tp, "__origin__", tp) is dict

@@ -1,0 +1,40 @@
+"""The one exception family for mistakes a user can fix.
+
+The CLI prints a :class:`ForgeError` as its message alone (no traceback) and exits with
+:data:`USAGE_EXIT_CODE`. Anything else that escapes is a bug in Forge or in a plugin.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+USAGE_EXIT_CODE = 2
+
+
+class ForgeError(Exception):
+    """Something the user can fix: the message says what was wrong, where, and what is right."""
+
+
+class ConfigError(ForgeError):
+    """A run config is invalid (unknown key, wrong type, impossible combination)."""
+
+
+class PluginError(ForgeError):
+    """A plugin or component cannot be used (missing, broken, incompatible, ambiguous)."""
+
+
+class UsageError(ForgeError):
+    """The command line itself is wrong."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """Return ``" Did you mean 'x'?"`` for the closest choice, or an empty string."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def quoted_list(items: Iterable[str]) -> str:
+    """``a, b, c`` quoted and sorted, or ``(none)`` when empty."""
+    items = sorted(items)
+    return ", ".join(f"'{item}'" for item in items) if items else "(none)"

@@ -1,0 +1,180 @@
+"""Every hook a Forge plugin can implement, in one place.
+
+A plugin is a module named by an entry point in the ``forge_lm`` group. It implements hooks
+by defining functions with the names below, decorated with :data:`forge_lm.hookimpl`. The
+pluggy project name, the entry-point group and the hook prefix are all ``forge_lm``; any
+function in a plugin module whose name starts with ``forge_lm_`` but matches no hook here is
+rejected, with the plugin named, so a typo never goes silently unused.
+
+Registration hooks receive a ``register`` callback and call it once per component::
+
+    register(name, factory, config=MyOptions, description="One line for list-plugins")
+
+- ``name``: how users select the component in a config (``name = "adamw"``).
+- ``factory``: a callable, or a ``"module:attribute"`` string that is imported only when the
+  component is built. Plugin modules must not import torch (or any heavy dependency) at
+  import time, so factories import lazily; a string is the simplest way to do that.
+- ``config``: an attrs class holding the component's options (optional). Its fields are the
+  keys allowed in the component's config section, validated and typed by the core.
+- ``description``: one line, shown by ``forge list-plugins``.
+
+The call signature of each category's factory is its contract; the registration hooks below
+state it, :mod:`forge_lm.components` spells out the objects involved, and
+:mod:`forge_lm.testing` checks that a component honours it.
+
+Lifecycle hooks receive keyword arguments; an implementation may accept any subset of
+them (pluggy passes only what it names).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+PROJECT_NAME = "forge_lm"
+"""The pluggy project name, the entry-point group and the hook prefix (plus ``_``)."""
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# --------------------------------------------------------------------------------------
+# Registration: one hook per component category. Called once, when plugins are loaded.
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def forge_lm_register_optimizers(register: Any) -> None:
+    """Register optimizers. Factory: ``factory(options, model) -> torch.optim.Optimizer``.
+
+    ``model`` is the ``torch.nn.Module`` being trained; the optimizer chooses its parameter
+    groups from it (names and module types tell a parameter's role).
+    """
+
+
+@hookspec
+def forge_lm_register_schedulers(register: Any) -> None:
+    """Register learning-rate schedulers.
+
+    Factory: ``factory(options, optimizer, total_steps) -> torch.optim.lr_scheduler.LRScheduler``.
+    A scheduler whose options have ``warmup_steps = W`` warms up linearly: the learning rate
+    of the optimizer step with index ``s < W`` is ``base_lr * (s + 1) / W``, so the first step
+    never runs at zero.
+    """
+
+
+@hookspec
+def forge_lm_register_losses(register: Any) -> None:
+    """Register training losses. Factory: ``factory(options) -> loss_fn``.
+
+    ``loss_fn(logits, labels) -> scalar tensor``: logits ``[batch, seq, vocab]``, labels
+    ``[batch, seq]`` where :data:`forge_lm.components.IGNORE_INDEX` marks positions that
+    carry no loss. The value is a mean over the positions that are not ignored.
+    """
+
+
+@hookspec
+def forge_lm_register_datasets(register: Any) -> None:
+    """Register training datasets.
+
+    Factory: ``factory(options, context: forge_lm.components.DataContext) -> dataset``: an
+    iterable of samples (``{"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}``)
+    with ``state_dict()`` and ``load_state_dict(state)``, restoring the exact next sample.
+    """
+
+
+@hookspec
+def forge_lm_register_metrics_backends(register: Any) -> None:
+    """Register metrics backends (console, files, trackers).
+
+    Factory: ``factory(options, context: forge_lm.components.MetricsContext) -> backend``
+    with ``start(config, manifest)``, ``log(step, metrics)`` and ``finish(summary)``; see
+    :class:`forge_lm.components.MetricsBackend`.
+    """
+
+
+@hookspec
+def forge_lm_register_tokenizers(register: Any) -> None:
+    """Register tokenizers. Factory: ``factory(options) -> tokenizer`` with ``encode(text)``,
+    ``decode(ids)``, ``vocab_size`` and ``eos_id``; see :class:`forge_lm.components.Tokenizer`.
+    """
+
+
+@hookspec
+def forge_lm_register_feed_forwards(register: Any) -> None:
+    """Register feed-forward layers for the transformer blocks.
+
+    Factory: ``factory(options, dim, layer_index) -> torch.nn.Module`` mapping
+    ``[batch, seq, dim]`` to the same shape. The model config chooses one per layer.
+    """
+
+
+@hookspec
+def forge_lm_register_routers(register: Any) -> None:
+    """Register token-to-expert routers for mixture-of-experts layers.
+
+    The MoE layer that uses routers defines their call contract; the core only keeps the
+    category so that any plugin can add a router and any config can name one.
+    """
+
+
+@hookspec
+def forge_lm_register_model_transforms(register: Any) -> None:
+    """Register model transforms (parallelisms, activation checkpointing, compile, ...).
+
+    Factory: ``factory(options) -> transform``; the training path applies the enabled
+    transforms in a fixed order that each registration states.
+    """
+
+
+# --------------------------------------------------------------------------------------
+# Lifecycle: called by the training path, in this order.
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def forge_lm_configure(config: Any) -> None:
+    """Check the fully resolved run config before anything is built.
+
+    Called once, after every config layer is applied. Raise
+    :class:`forge_lm.errors.ConfigError` to reject a combination of settings; never mutate
+    ``config``.
+    """
+
+
+@hookspec
+def forge_lm_train_start(context: Any) -> None:
+    """The model, optimizer and data are built; the first step is about to run.
+
+    ``context`` exposes the run (config, model, optimizer, run directory, step).
+    """
+
+
+@hookspec
+def forge_lm_step_end(context: Any, step: int, metrics: dict[str, float]) -> dict[str, float] | None:
+    """An optimizer step finished. Return extra metrics to log with it, or None."""
+
+
+@hookspec
+def forge_lm_eval_end(context: Any, step: int, metrics: dict[str, float]) -> dict[str, float] | None:
+    """An evaluation finished. Return extra metrics to log with it, or None."""
+
+
+@hookspec
+def forge_lm_save_state(context: Any) -> dict[str, Any] | None:
+    """Return this plugin's state to store in the checkpoint, or None.
+
+    Plain data and tensors only: checkpoints are loaded without unpickling arbitrary
+    objects. The core stores each plugin's state under the plugin's name.
+    """
+
+
+@hookspec
+def forge_lm_load_state(context: Any, state: dict[str, Any]) -> None:
+    """Restore what :func:`forge_lm_save_state` returned when the checkpoint was written."""
+
+
+@hookspec
+def forge_lm_train_end(context: Any, status: str) -> None:
+    """The run ends; ``status`` is ``"completed"``, ``"interrupted"`` or ``"failed"``."""

@@ -1,0 +1,44 @@
+"""Metrics as JSON lines in the run directory.
+
+The file is opened for appending and flushed after every line, so a resumed run adds to
+what the interrupted one wrote and a crash loses at most the line being written.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from forge_lm.components import MetricsContext
+
+
+class JsonlBackend:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = None
+
+    def start(self, config: Mapping[str, Any], manifest: Sequence[Mapping[str, str]]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        # NaN and Inf are written as JSON's common extension (NaN, Infinity), which json reads back.
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.flush()
+
+    def finish(self, summary: Mapping[str, float]) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a metrics file, in order."""
+    with Path(path).open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def build_jsonl(options, context: MetricsContext) -> JsonlBackend:
+    return JsonlBackend(Path(context.run_dir) / options.filename)

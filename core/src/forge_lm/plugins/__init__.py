@@ -1,0 +1,27 @@
+"""Plugin discovery, the component registry and the switches that control loading."""
+
+from forge_lm.plugins._api import API_ATTRIBUTE, PLUGIN_API_VERSION
+from forge_lm.plugins._categories import CATEGORIES
+from forge_lm.plugins._manager import BUILTIN_PLUGINS, CORE_DISTRIBUTION, NoOptions, PluginManager, core_version
+from forge_lm.plugins._model import Component, PluginInfo, PluginStatus
+from forge_lm.plugins._registry import Registry
+from forge_lm.plugins._settings import ENV_ALLOW, ENV_BLOCK, ENV_DISABLE_AUTOLOAD, PluginSettings
+
+__all__ = [
+    "API_ATTRIBUTE",
+    "BUILTIN_PLUGINS",
+    "CATEGORIES",
+    "CORE_DISTRIBUTION",
+    "ENV_ALLOW",
+    "ENV_BLOCK",
+    "ENV_DISABLE_AUTOLOAD",
+    "PLUGIN_API_VERSION",
+    "Component",
+    "NoOptions",
+    "PluginInfo",
+    "PluginManager",
+    "PluginSettings",
+    "PluginStatus",
+    "Registry",
+    "core_version",
+]

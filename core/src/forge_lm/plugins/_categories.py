@@ -1,0 +1,36 @@
+"""The component categories. Each has one registration hook: ``forge_lm_register_<category>``."""
+
+from __future__ import annotations
+
+from forge_lm.errors import PluginError, did_you_mean, quoted_list
+
+# category -> the singular noun used in messages
+CATEGORIES: dict[str, str] = {
+    "optimizers": "optimizer",
+    "schedulers": "scheduler",
+    "losses": "loss",
+    "datasets": "dataset",
+    "metrics_backends": "metrics backend",
+    "tokenizers": "tokenizer",
+    "feed_forwards": "feed-forward layer",
+    "routers": "router",
+    "model_transforms": "model transform",
+}
+
+
+def registration_hook(category: str) -> str:
+    return f"forge_lm_register_{category}"
+
+
+def check_category(category: str) -> str:
+    """Return ``category`` if it exists; otherwise raise an error listing the real ones."""
+    if category not in CATEGORIES:
+        raise PluginError(
+            f"unknown component category '{category}'.{did_you_mean(category, CATEGORIES)} "
+            f"Categories: {quoted_list(CATEGORIES)}."
+        )
+    return category
+
+
+def singular(category: str) -> str:
+    return CATEGORIES[category]

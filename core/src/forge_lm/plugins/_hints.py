@@ -1,0 +1,20 @@
+"""Which package to install for a well-known component that is not installed.
+
+This is data for error messages only: the core never imports these packages nor branches on
+them. Third-party plugins are found through their entry points and need no entry here.
+"""
+
+from __future__ import annotations
+
+KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
+    "optimizers": {"muon": "forge-optim-muon"},
+    "feed_forwards": {"moe": "forge-moe"},
+    "routers": {"softmax_topk": "forge-moe", "sigmoid_topk": "forge-moe"},
+    "model_transforms": {"expert_parallel": "forge-moe"},
+    "metrics_backends": {"wandb": "forge-wandb"},
+}
+
+
+def known_provider(category: str, name: str) -> str | None:
+    """The distribution that provides ``name`` in ``category``, if it is a known one."""
+    return KNOWN_PROVIDERS.get(category, {}).get(name)

@@ -1,0 +1,311 @@
+"""Discover, load and check plugins; keep the registry of what they provide.
+
+Built-in components and third-party plugins take the same path: a module (or object) with
+hook implementations goes through :meth:`PluginManager._activate`, which validates its hooks,
+collects its registrations and checks its declared plugin API range. A plugin that fails any
+step is recorded with its status and reason instead of raising, so one bad plugin never
+breaks the CLI; using one of its components later raises a :class:`PluginError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import inspect
+import json
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pluggy
+
+from forge_lm import hookspecs
+from forge_lm.errors import PluginError, did_you_mean
+from forge_lm.hookspecs import PROJECT_NAME
+from forge_lm.plugins._api import API_ATTRIBUTE, api_incompatibility
+from forge_lm.plugins._categories import CATEGORIES, registration_hook
+from forge_lm.plugins._model import Component, PluginInfo, PluginStatus, check_component_name
+from forge_lm.plugins._registry import Registry
+from forge_lm.plugins._settings import PluginSettings
+
+HOOK_PREFIX = PROJECT_NAME + "_"
+CORE_DISTRIBUTION = "forge-lm"
+
+BUILTIN_PLUGINS: dict[str, str] = {
+    "core.optimizers": "forge_lm.default_plugins.optimizers",
+    "core.schedulers": "forge_lm.default_plugins.schedulers",
+    "core.losses": "forge_lm.default_plugins.losses",
+    "core.datasets": "forge_lm.default_plugins.datasets",
+    "core.metrics": "forge_lm.default_plugins.metrics",
+    "core.tokenizers": "forge_lm.default_plugins.tokenizers",
+}
+
+
+@attrs.define
+class NoOptions:
+    """Options of a component that takes none."""
+
+
+class _HookManager(pluggy.PluginManager):
+    """pluggy, plus: any function named ``forge_lm_*`` is a hook implementation.
+
+    Without this, a misspelt but undecorated hook would be ignored silently; with it, the
+    unknown-hook check below catches it.
+    """
+
+    def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
+        opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None and name.startswith(HOOK_PREFIX) and inspect.isroutine(getattr(plugin, name, None)):
+            opts = {
+                "wrapper": False,
+                "hookwrapper": False,
+                "optionalhook": False,
+                "tryfirst": False,
+                "trylast": False,
+                "specname": None,
+            }
+        return opts
+
+
+class _PluginFailure(Exception):
+    """Internal: why a plugin is broken; turned into its status and reason."""
+
+
+class PluginManager:
+    """The loaded plugins, their hooks (:attr:`hook`) and their components (:attr:`registry`)."""
+
+    def __init__(self, settings: PluginSettings | None = None, *, entry_points: bool = True) -> None:
+        self.settings = settings if settings is not None else PluginSettings.from_env()
+        self.plugins: list[PluginInfo] = []
+        self.registry = Registry(self.plugins)
+        self.warnings: list[str] = []
+        self._hooks = _HookManager(PROJECT_NAME)
+        self._hooks.add_hookspecs(hookspecs)
+        version = core_version()
+        for name, module in BUILTIN_PLUGINS.items():
+            self._load(
+                PluginInfo(name, CORE_DISTRIBUTION, version, module, builtin=True),
+                lambda module=module: importlib.import_module(module),
+            )
+        if entry_points:
+            self._load_entry_points()
+        self._warn_about_unmatched_switches(entry_points)
+
+    @property
+    def hook(self) -> Any:
+        """pluggy's hook relay: ``pm.hook.forge_lm_step_end(context=..., ...)``."""
+        return self._hooks.hook
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def _load_entry_points(self) -> None:
+        found = importlib.metadata.entry_points(group=PROJECT_NAME)
+        for ep in sorted(found, key=lambda ep: (ep.dist.name if ep.dist else "", ep.name)):
+            dist = ep.dist.name if ep.dist else "<unknown distribution>"
+            version = ep.dist.version if ep.dist else "?"
+            self._load(PluginInfo(ep.name, dist, version, ep.module), ep.load)
+
+    def add_plugin(
+        self,
+        plugin: object,
+        name: str,
+        *,
+        distribution: str = "<local>",
+        version: str = "0",
+    ) -> PluginInfo:
+        """Load a plugin object that is not installed (tests, notebooks, embedding Forge).
+
+        It goes through the same checks as an installed plugin and honours the switches.
+        """
+        module = getattr(plugin, "__name__", type(plugin).__name__)
+        return self._load(PluginInfo(name, distribution, version, module), lambda: plugin)
+
+    def _load(self, info: PluginInfo, loader: Callable[[], object]) -> PluginInfo:
+        clash = next((p for p in self.plugins if p.name == info.name), None)
+        self.plugins.append(info)
+        try:
+            if clash is not None:
+                raise _PluginFailure(
+                    f"plugin name '{info.name}' is already taken by {clash.distribution}; "
+                    "entry-point names must be unique"
+                )
+            reason = self.settings.disabled_reason(info.name, info.builtin)
+            if reason:
+                info.status, info.reason = PluginStatus.DISABLED, reason
+                return info
+            try:
+                plugin = loader()
+            except Exception as exc:  # noqa: BLE001 - a plugin may fail in any way
+                raise _PluginFailure(f"import failed: {type(exc).__name__}: {exc}") from exc
+            self._activate(info, plugin)
+        except _PluginFailure as failure:
+            info.status, info.reason = PluginStatus.BROKEN, str(failure)
+        return info
+
+    def _activate(self, info: PluginInfo, plugin: object) -> None:
+        try:
+            self._hooks.register(plugin, name=info.name)
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            raise _PluginFailure(f"invalid hook implementation: {' '.join(str(exc).split())}") from exc
+        try:
+            unknown = [c.name for c in self._hooks.get_hookcallers(plugin) or [] if not c.has_spec()]
+            if unknown:
+                raise _PluginFailure(
+                    " ".join(
+                        f"implements unknown hook '{hook}'.{did_you_mean(hook, _hook_names())}" for hook in unknown
+                    )
+                )
+            declared = getattr(plugin, API_ATTRIBUTE, None)
+            info.api_range = declared if isinstance(declared, str) else None
+            incompatible = api_incompatibility(declared, info.module)
+            try:
+                components = self._collect_registrations(info, plugin)
+            except _PluginFailure:
+                if incompatible is None:
+                    raise
+                components = []  # the incompatibility explains the failure better
+            for component in components:
+                self.registry.add(component)
+                info.components.setdefault(component.category, []).append(component.name)
+            if incompatible:
+                info.status, info.reason = PluginStatus.INCOMPATIBLE, incompatible
+                self._hooks.unregister(plugin)  # its lifecycle hooks must not run either
+        except BaseException:
+            self._hooks.unregister(plugin)
+            raise
+
+    def _collect_registrations(self, info: PluginInfo, plugin: object) -> list[Component]:
+        """Run the plugin's registration hooks; validate everything before adding anything."""
+        components: list[Component] = []
+        for category in CATEGORIES:
+            caller = getattr(self._hooks.hook, registration_hook(category))
+            for impl in caller.get_hookimpls():
+                if impl.plugin is not plugin:
+                    continue
+
+                def register(
+                    name: str,
+                    factory: Callable[..., Any] | str,
+                    config: type | None = None,
+                    description: str = "",
+                    *,
+                    _category: str = category,
+                ) -> None:
+                    components.append(_make_component(info, _category, name, factory, config, description))
+
+                try:
+                    impl.function(**{arg: register for arg in impl.argnames})
+                except _PluginFailure:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    raise _PluginFailure(
+                        f"{impl.function.__name__} failed: {type(exc).__name__}: {exc}"
+                    ) from exc
+        seen: set[tuple[str, str]] = set()
+        for component in components:
+            key = (component.category, component.name)
+            problem = self.registry.conflicts(component)
+            if key in seen:
+                problem = f"registers {CATEGORIES[key[0]]} '{key[1]}' twice"
+            if problem:
+                raise _PluginFailure(problem)
+            seen.add(key)
+        return components
+
+    def _warn_about_unmatched_switches(self, entry_points: bool) -> None:
+        if not entry_points:
+            return
+        known = {p.name for p in self.plugins}
+        for switch, names in (("block", self.settings.block), ("allow", self.settings.allow or ())):
+            for name in names:
+                if name not in known:
+                    self.warnings.append(
+                        f"the plugin {switch}list names '{name}', which is not an installed plugin."
+                        f"{did_you_mean(name, known)}"
+                    )
+
+    # -- using ------------------------------------------------------------------------------
+
+    def plugin(self, name: str) -> PluginInfo:
+        for info in self.plugins:
+            if info.name == name:
+                return info
+        raise PluginError(f"no plugin named '{name}'.{did_you_mean(name, [p.name for p in self.plugins])}")
+
+    def manifest(self) -> list[dict[str, str]]:
+        """The loaded plugins, for the run directory, checkpoints and cross-rank checks."""
+        return [
+            {"name": p.name, "distribution": p.distribution, "version": p.version}
+            for p in sorted(self.plugins, key=lambda p: p.name)
+            if p.status is PluginStatus.OK
+        ]
+
+    def manifest_hash(self) -> str:
+        blob = json.dumps(self.manifest(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def configure(self, config: object) -> None:
+        """Give every plugin the resolved config to check (the ``forge_lm_configure`` hook)."""
+        self.hook.forge_lm_configure(config=config)
+
+    def save_states(self, context: object) -> dict[str, Any]:
+        """Each plugin's checkpoint state, keyed by plugin name (plugins returning None omitted)."""
+        states: dict[str, Any] = {}
+        for impl in self.hook.forge_lm_save_state.get_hookimpls():
+            state = impl.function(**_kwargs(impl, context=context))
+            if state is not None:
+                states[impl.plugin_name] = state
+        return states
+
+    def load_states(self, context: object, states: dict[str, Any]) -> list[str]:
+        """Give each plugin back its saved state; return the names of states no plugin took."""
+        taken = set()
+        for impl in self.hook.forge_lm_load_state.get_hookimpls():
+            if impl.plugin_name in states:
+                impl.function(**_kwargs(impl, context=context, state=states[impl.plugin_name]))
+                taken.add(impl.plugin_name)
+        return sorted(set(states) - taken)
+
+
+def _kwargs(impl: Any, **available: Any) -> dict[str, Any]:
+    return {name: available[name] for name in impl.argnames}
+
+
+def _hook_names() -> list[str]:
+    return [name for name in dir(hookspecs) if name.startswith(HOOK_PREFIX)]
+
+
+def _make_component(
+    info: PluginInfo,
+    category: str,
+    name: object,
+    factory: object,
+    config: object,
+    description: object,
+) -> Component:
+    try:
+        check_component_name(name)
+    except PluginError as exc:
+        raise _PluginFailure(str(exc)) from exc
+    what = f"{CATEGORIES[category]} '{name}'"
+    if isinstance(factory, str):
+        module, sep, attribute = factory.partition(":")
+        if not (module and sep and attribute):
+            raise _PluginFailure(f"{what}: factory string {factory!r} must look like 'package.module:function'")
+    elif not callable(factory):
+        raise _PluginFailure(f"{what}: factory must be callable or a 'module:function' string, got {factory!r}")
+    if config is None:
+        config = NoOptions
+    if not (isinstance(config, type) and attrs.has(config)):
+        raise _PluginFailure(f"{what}: config must be an attrs class, got {config!r}")
+    if not isinstance(description, str) or not description.strip() or "\n" in description.strip():
+        raise _PluginFailure(f"{what}: description must be one non-empty line")
+    return Component(category, name, factory, config, description.strip(), info)
+
+
+def core_version() -> str:
+    try:
+        return importlib.metadata.version(CORE_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"

@@ -1,0 +1,102 @@
+"""What the plugin manager knows about a plugin and about each component it registered."""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from forge_lm.errors import PluginError
+from forge_lm.plugins._categories import singular
+
+
+class PluginStatus(enum.StrEnum):
+    OK = "ok"
+    BROKEN = "broken"  # failed to import, or its hooks or registrations are invalid
+    INCOMPATIBLE = "incompatible"  # its declared plugin API range excludes this core
+    DISABLED = "disabled"  # not loaded: blocked, not allowed, or autoloading is off
+
+
+@attrs.define
+class PluginInfo:
+    """One plugin: an entry point in the ``forge_lm`` group, or one of the core's built-ins."""
+
+    name: str
+    distribution: str
+    version: str
+    module: str
+    builtin: bool = False
+    status: PluginStatus = PluginStatus.OK
+    reason: str | None = None
+    api_range: str | None = None
+    components: dict[str, list[str]] = attrs.Factory(dict)
+
+    @property
+    def label(self) -> str:
+        """How messages name the plugin: ``plugin 'moe' (forge-moe 0.1.0)``."""
+        return f"plugin '{self.name}' ({self.distribution} {self.version})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "module": self.module,
+            "builtin": self.builtin,
+            "status": str(self.status),
+            "reason": self.reason,
+            "api_range": self.api_range,
+            "components": {cat: sorted(names) for cat, names in sorted(self.components.items())},
+        }
+
+
+_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.\-]*$")
+
+
+def check_component_name(name: object) -> str:
+    if not isinstance(name, str) or not _NAME_PATTERN.match(name):
+        raise PluginError(
+            f"component name {name!r} is invalid: use lower-case letters, digits, '_', '.' "
+            "or '-' (':' is reserved for 'distribution:name')"
+        )
+    return name
+
+
+@attrs.frozen
+class Component:
+    """A registered component: everything needed to validate its options and build it."""
+
+    category: str
+    name: str
+    factory: Callable[..., Any] | str
+    options_class: type
+    description: str
+    plugin: PluginInfo
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.plugin.distribution}:{self.name}"
+
+    def load_factory(self) -> Callable[..., Any]:
+        """The factory, importing it now if it was registered as ``"module:attribute"``."""
+        if callable(self.factory):
+            return self.factory
+        module_name, _, attribute = self.factory.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attribute)
+        except Exception as exc:  # noqa: BLE001 - any import failure is reported the same way
+            dist = self.plugin.distribution
+            raise PluginError(
+                f"{singular(self.category)} '{self.name}' from {self.plugin.label} cannot be built: importing "
+                f"'{self.factory}' failed with {type(exc).__name__}: {exc}. Reinstall it with "
+                f"its dependencies (pip install --force-reinstall {dist}) or uninstall it "
+                f"(pip uninstall {dist})."
+            ) from exc
+
+    def build(self, options: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call the factory with the component's validated options and the category's arguments."""
+        return self.load_factory()(options, *args, **kwargs)

@@ -1,0 +1,1 @@
+"""forge-moe: mixture-of-experts layers, routers and expert parallelism for Forge."""

@@ -1,0 +1,1 @@
+"""forge-optim-muon: the Muon optimizer for Forge."""

@@ -1,0 +1,1 @@
+"""forge-wandb: a Weights & Biases metrics backend for Forge."""
