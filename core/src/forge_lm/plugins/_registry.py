@@ -106,11 +106,17 @@ class Registry:
         package = known_provider(category, name)
         unusable = [p for p in self._plugins if p.status in (PluginStatus.BROKEN, PluginStatus.DISABLED)]
         if package:
-            same_dist = [p for p in unusable if canonicalize_name(p.distribution) == canonicalize_name(package)]
-            if same_dist:
-                lines.extend(_unusable_text(p) for p in same_dist)
-            else:
+            installed = [p for p in self._plugins if canonicalize_name(p.distribution) == canonicalize_name(package)]
+            if not installed:
                 lines.append(f"'{name}' is provided by the package {package}: pip install {package}")
+            for plugin in installed:
+                if plugin.status in (PluginStatus.BROKEN, PluginStatus.DISABLED):
+                    lines.append(_unusable_text(plugin))
+                else:
+                    lines.append(
+                        f"{plugin.label} is installed but does not provide it; upgrade it: "
+                        f"pip install --upgrade {package}"
+                    )
         elif unusable:
             lines.append("These installed plugins are not loaded and might provide it:")
             lines.extend(f"  {_unusable_text(p)}" for p in unusable)
@@ -123,7 +129,7 @@ def _providers_text(components: Sequence[Component]) -> str:
 
 def _unusable_text(plugin: PluginInfo) -> str:
     if plugin.status is PluginStatus.DISABLED:
-        return f"{plugin.label} is installed but disabled: {plugin.reason}."
+        return f"{plugin.label} is installed but disabled ({plugin.reason}); enable it to use its components."
     return (
         f"{plugin.label} is installed but broken: {plugin.reason}. Fix: reinstall it with its "
         f"dependencies (pip install --force-reinstall {plugin.distribution}) or remove it "
