@@ -2,7 +2,14 @@
 
 from forge_lm.config._converter import CliValue, converter
 from forge_lm.config._dump import to_data, to_toml
-from forge_lm.config._load import load_config, merge, parse_overrides, read_toml, structure_config
+from forge_lm.config._load import (
+    load_config,
+    merge,
+    parse_overrides,
+    read_toml,
+    structure_config,
+    structure_options,
+)
 from forge_lm.config._schema import (
     ComponentConfig,
     ForgeConfig,
@@ -30,6 +37,7 @@ __all__ = [
     "parse_overrides",
     "read_toml",
     "structure_config",
+    "structure_options",
     "to_data",
     "to_toml",
 ]

@@ -207,3 +207,9 @@ class _Walker:
 
 def _accepts_table(tp: Any) -> bool:
     return getattr(tp, "__origin__", tp) is dict
+
+
+def structure_options(registry: Registry, component: Any, data: Mapping[str, Any], where: str) -> Any:
+    """A component's options object from a table, validated as a config section would be."""
+    owner = f"{singular(component.category)} '{component.name}'"
+    return _Walker(registry).structure(component.options_class, data, where, owner=owner)

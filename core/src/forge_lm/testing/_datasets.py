@@ -1,0 +1,86 @@
+"""Dataset contract: ``factory(options, context: DataContext) -> dataset``, an iterable of
+``{"input_ids", "labels"}`` samples with ``state_dict()``/``load_state_dict()``.
+
+Extra: ``context=DataContext(...)`` when the dataset needs particular sizes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from forge_lm.components import IGNORE_INDEX, DataContext
+from forge_lm.testing._kit import Subject, category_check
+from forge_lm.testing._tiny import plain_round_trip
+
+DEFAULT_CONTEXT = DataContext(seq_len=16, vocab_size=64, seed=7)
+
+
+def _context(subject: Subject, **changes: int) -> DataContext:
+    import attrs
+
+    return attrs.evolve(subject.extras.get("context", DEFAULT_CONTEXT), **changes)
+
+
+def _take(dataset: object, count: int) -> list[dict[str, torch.Tensor]]:
+    return list(itertools.islice(iter(dataset), count))
+
+
+def _same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b, strict=True)
+    )
+
+
+@category_check("datasets")
+def check_samples_have_the_documented_form(subject: Subject) -> None:
+    context = _context(subject)
+    for sample in _take(subject.build(context), 4):
+        for key in ("input_ids", "labels"):
+            value = sample.get(key)
+            assert isinstance(value, torch.Tensor) and value.dtype == torch.long, (
+                f"{subject.label}: sample['{key}'] must be a LongTensor"
+            )
+            assert value.shape == (context.seq_len,), (
+                f"{subject.label}: sample['{key}'] has shape {tuple(value.shape)}, expected ({context.seq_len},)"
+            )
+        ids, labels = sample["input_ids"], sample["labels"]
+        assert ids.min() >= 0 and ids.max() < context.vocab_size, f"{subject.label}: token ids outside the vocabulary"
+        counted = labels[labels != IGNORE_INDEX]
+        assert counted.numel() == 0 or (counted.min() >= 0 and counted.max() < context.vocab_size), (
+            f"{subject.label}: labels outside the vocabulary"
+        )
+
+
+@category_check("datasets")
+def check_is_reproducible(subject: Subject) -> None:
+    context = _context(subject)
+    assert _same(_take(subject.build(context), 5), _take(subject.build(context), 5)), (
+        f"{subject.label}: two datasets built from the same context yield different samples"
+    )
+
+
+@category_check("datasets")
+def check_state_round_trip_restores_the_next_sample(subject: Subject) -> None:
+    context = _context(subject)
+    dataset = subject.build(context)
+    iterator = iter(dataset)
+    _ = [next(iterator) for _ in range(3)]
+    state = plain_round_trip(dataset.state_dict())
+    expected = [next(iterator) for _ in range(4)]
+    resumed = subject.build(context)
+    resumed.load_state_dict(state)
+    assert _same(_take(resumed, 4), expected), (
+        f"{subject.label}: after load_state_dict the dataset does not continue where the state was taken"
+    )
+
+
+@category_check("datasets")
+def check_data_parallel_ranks_get_distinct_samples(subject: Subject) -> None:
+    rank0 = _take(subject.build(_context(subject, dp_rank=0, dp_size=2)), 3)
+    rank1 = _take(subject.build(_context(subject, dp_rank=1, dp_size=2)), 3)
+    overlap = [
+        i for i, a in enumerate(rank0) for b in rank1 if torch.equal(a["input_ids"], b["input_ids"])
+    ]
+    assert not overlap, f"{subject.label}: ranks 0 and 1 of 2 receive the same samples"

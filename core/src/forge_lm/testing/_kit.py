@@ -1,0 +1,146 @@
+"""The machinery of the conformance kit: checks as named callables, grouped per category."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from forge_lm.config import structure_options
+from forge_lm.plugins import Component, PluginManager
+from forge_lm.plugins._categories import singular
+
+
+@attrs.frozen
+class Check:
+    """One conformance check; call it to run it (raises AssertionError on failure)."""
+
+    id: str
+    run: Callable[[], None] = attrs.field(repr=False)
+
+    def __call__(self) -> None:
+        self.run()
+
+
+@attrs.frozen
+class Subject:
+    """The component under test, with what its checks need to build it."""
+
+    manager: PluginManager
+    component: Component
+    options_table: Mapping[str, Any]
+    extras: Mapping[str, Any]
+
+    @property
+    def label(self) -> str:
+        return f"{singular(self.component.category)} '{self.component.name}'"
+
+    def options(self, **overrides: Any) -> Any:
+        """The component's options: the kit's table with ``overrides``, validated by the core."""
+        table = {**self.options_table, **overrides}
+        return structure_options(self.manager.registry, self.component, table, self.component.category)
+
+    def has_option(self, name: str) -> bool:
+        return name in attrs.fields_dict(self.component.options_class)
+
+    def build(self, *args: Any, options: Any = None, **kwargs: Any) -> Any:
+        return self.component.build(self.options() if options is None else options, *args, **kwargs)
+
+
+CheckFunction = Callable[[Subject], None]
+_CHECKS: dict[str, list[CheckFunction]] = {}
+
+
+def category_check(category: str) -> Callable[[CheckFunction], CheckFunction]:
+    """Add a function to the checks run on every component of ``category``."""
+
+    def add(function: CheckFunction) -> CheckFunction:
+        _CHECKS.setdefault(category, []).append(function)
+        return function
+
+    return add
+
+
+def checks_for(category: str) -> list[CheckFunction]:
+    _load_check_modules()
+    return list(_CHECKS.get(category, []))
+
+
+def _load_check_modules() -> None:
+    # Imported here, not at the top, so that each category's checks register themselves once.
+    from forge_lm.testing import (  # noqa: F401
+        _datasets,
+        _feed_forwards,
+        _losses,
+        _metrics,
+        _optimizers,
+        _options,
+        _schedulers,
+        _tokenizers,
+    )
+
+
+def component_checks(
+    category: str,
+    name: str,
+    *,
+    options: Mapping[str, Any] | None = None,
+    manager: PluginManager | None = None,
+    **extras: Any,
+) -> list[Check]:
+    """The checks that ``name`` in ``category`` honours its category's contract.
+
+    ``options`` is the component's config table for the checks (as in a TOML section).
+    ``extras`` are category-specific aids, documented in :mod:`forge_lm.testing`
+    (``reference`` for losses, ``read_back`` for metrics backends, ``context`` for datasets,
+    ``lossless`` for tokenizers).
+    """
+    manager = manager if manager is not None else PluginManager()
+    component = manager.registry.resolve(category, name)
+    subject = Subject(manager, component, dict(options or {}), extras)
+    return [
+        Check(f"{category}:{name}:{function.__name__.removeprefix('check_')}", lambda f=function: f(subject))
+        for function in checks_for(category)
+    ]
+
+
+def check_component(category: str, name: str, **kwargs: Any) -> None:
+    """Run every check of the component; one AssertionError lists all failures."""
+    failures = []
+    for check in component_checks(category, name, **kwargs):
+        try:
+            check()
+        except AssertionError as exc:
+            failures.append(f"{check.id}: {exc}")
+    if failures:
+        raise AssertionError("\n".join(failures))
+
+
+def parametrize_with_checks(
+    components: Iterable[tuple[str, str] | tuple[str, str, Mapping[str, Any]]] = (),
+    distributions: Iterable[str] = (),
+    manager: PluginManager | None = None,
+) -> Any:
+    """A ``pytest.mark.parametrize`` over every check of the given components and distributions.
+
+    Use it on a test taking one argument, ``check``, that calls it::
+
+        @parametrize_with_checks([("losses", "my_loss", {"reference": my_reference})], ["my-dist"])
+        def test_conformance(check):
+            check()
+
+    The third item of a component tuple holds keyword arguments of :func:`component_checks`.
+    """
+    import pytest
+
+    from forge_lm.testing._packaging import distribution_checks
+
+    manager = manager if manager is not None else PluginManager()
+    checks: list[Check] = []
+    for spec in components:
+        category, name, *rest = spec
+        checks.extend(component_checks(category, name, manager=manager, **(rest[0] if rest else {})))
+    for dist in distributions:
+        checks.extend(distribution_checks(dist))
+    return pytest.mark.parametrize("check", checks, ids=[check.id for check in checks])
