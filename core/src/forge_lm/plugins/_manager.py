@@ -116,12 +116,13 @@ class PluginManager:
     ) -> PluginInfo:
         """Load a plugin object that is not installed (tests, notebooks, embedding Forge).
 
-        It goes through the same checks as an installed plugin and honours the switches.
+        It goes through the same checks as an installed plugin. Being asked for explicitly,
+        it is not subject to the autoload and allowlist switches, only to the blocklist.
         """
         module = getattr(plugin, "__name__", type(plugin).__name__)
-        return self._load(PluginInfo(name, distribution, version, module), lambda: plugin)
+        return self._load(PluginInfo(name, distribution, version, module), lambda: plugin, explicit=True)
 
-    def _load(self, info: PluginInfo, loader: Callable[[], object]) -> PluginInfo:
+    def _load(self, info: PluginInfo, loader: Callable[[], object], *, explicit: bool = False) -> PluginInfo:
         clash = next((p for p in self.plugins if p.name == info.name), None)
         self.plugins.append(info)
         try:
@@ -130,7 +131,7 @@ class PluginManager:
                     f"plugin name '{info.name}' is already taken by {clash.distribution}; "
                     "entry-point names must be unique"
                 )
-            reason = self.settings.disabled_reason(info.name, info.builtin)
+            reason = self.settings.disabled_reason(info.name, explicit=info.builtin or explicit)
             if reason:
                 info.status, info.reason = PluginStatus.DISABLED, reason
                 return info

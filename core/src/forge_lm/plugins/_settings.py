@@ -73,11 +73,15 @@ class PluginSettings:
             block=tuple(dict.fromkeys(blocked)),
         )
 
-    def disabled_reason(self, name: str, builtin: bool) -> str | None:
-        """Why the plugin ``name`` must not load, or None if it may."""
+    def disabled_reason(self, name: str, *, explicit: bool) -> str | None:
+        """Why the plugin ``name`` must not load, or None if it may.
+
+        ``explicit`` plugins (built-ins, and plugins added in code) are not autoloaded, so
+        only the blocklist applies to them.
+        """
         if name in self.block:
             return f"blocked by {ENV_BLOCK} or --block-plugin"
-        if builtin:
+        if explicit:
             return None
         if self.allow is not None:
             if name in self.allow:
