@@ -4,6 +4,7 @@ them, and turns every :class:`ForgeError` into a one-paragraph message and exit 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
@@ -61,11 +62,18 @@ def version_text() -> str:
     return f"forge {core_version()} (distribution forge-lm, plugin API {PLUGIN_API_VERSION})"
 
 
+# ``--section.key=value``: a dotted key sets a config value. Taken out before argparse sees the
+# command line, because argparse reads an argument containing a space as a positional one.
+_OVERRIDE = re.compile(r"^--[A-Za-z_][\w-]*(\.[\w-]+)+=")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
+    overrides = [arg for arg in args_in if _OVERRIDE.match(arg)]
     parser = build_parser()
     try:
-        args, rest = parser.parse_known_args(args_in)
+        args, rest = parser.parse_known_args([arg for arg in args_in if not _OVERRIDE.match(arg)])
+        rest += overrides
         if args.command is None:
             parser.print_help()
             return 0

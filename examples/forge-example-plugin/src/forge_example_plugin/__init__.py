@@ -1,0 +1,1 @@
+"""forge-example-plugin: the smallest useful third-party Forge plugin."""
