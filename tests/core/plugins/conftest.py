@@ -1,0 +1,74 @@
+"""Fixtures for the plugin-machinery tests: fake plugins with a standard header, managers."""
+
+from __future__ import annotations
+
+import importlib
+import textwrap
+from collections.abc import Callable
+
+import pytest
+
+from forge_lm.plugins import ENV_ALLOW, ENV_BLOCK, ENV_DISABLE_AUTOLOAD, PluginManager, PluginSettings
+
+HEADER = "from forge_lm import hookimpl\n"
+COMPATIBLE = '">=1,<2"'
+
+
+@pytest.fixture(autouse=True)
+def _no_plugin_switches_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The switches of whoever runs the tests must not reach the managers or the CLI."""
+    for name in (ENV_ALLOW, ENV_BLOCK, ENV_DISABLE_AUTOLOAD):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def install_plugin(fake_site) -> Callable[..., str]:
+    """Install a fake distribution whose module starts with ``hookimpl`` imported and, unless
+    ``api=None``, ``FORGE_LM_PLUGIN_API = ">=1,<2"``; ``api`` is the attribute's source text."""
+
+    def install(
+        dist: str,
+        body: str = "",
+        *,
+        api: str | None = COMPATIBLE,
+        version: str = "1.0",
+        module: str | None = None,
+        entry_points: dict[str, str] | None = None,
+    ) -> str:
+        header = HEADER if api is None else f"{HEADER}FORGE_LM_PLUGIN_API = {api}\n"
+        source = header + textwrap.dedent(body)
+        return fake_site.install(dist, source, version=version, module=module, entry_points=entry_points)
+
+    return install
+
+
+@pytest.fixture
+def write_module(fake_site) -> Callable[[str, str], None]:
+    """Put a plain module (a lazily imported factory, a dependency) on the fake site."""
+
+    def write(name: str, source: str) -> None:
+        (fake_site.root / f"{name}.py").write_text(textwrap.dedent(source))
+        fake_site.modules.append(name)
+        importlib.invalidate_caches()
+
+    return write
+
+
+@pytest.fixture
+def load_plugins() -> Callable[..., PluginManager]:
+    """A manager that loads the built-ins and exactly the named third-party plugins, so the
+    first-party plugins installed in the venv (moe, muon, wandb) stay out of the way."""
+
+    def load(*names: str, block: tuple[str, ...] = ()) -> PluginManager:
+        return PluginManager(PluginSettings(allow=names, block=block))
+
+    return load
+
+
+@pytest.fixture
+def local_manager() -> PluginManager:
+    """The built-ins only, no entry points, autoloading on: for :meth:`PluginManager.add_plugin`.
+
+    (With autoloading off, as in the shared ``manager`` fixture, an added plugin is disabled.)
+    """
+    return PluginManager(PluginSettings(), entry_points=False)
