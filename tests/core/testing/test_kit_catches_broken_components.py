@@ -74,7 +74,10 @@ def test_optimizer_that_skips_parameters_fails_the_coverage_check(manager):
         manager, "optimizers", "partial", lambda options, model: torch.optim.SGD(model.head.parameters(), lr=0.1)
     )
     message = _failure(manager, "optimizers", "partial", "covers_every_trainable_parameter_once")
-    assert message == "optimizer 'partial' leaves parameters out: ['embed.weight', 'hidden.weight', 'hidden.bias', 'norm.weight']"
+    assert (
+        message
+        == "optimizer 'partial' leaves parameters out: ['embed.weight', 'hidden.weight', 'hidden.bias', 'norm.weight']"
+    )
 
 
 class _ForgetfulSGD(torch.optim.SGD):
@@ -88,7 +91,10 @@ class _ForgetfulSGD(torch.optim.SGD):
 
 def test_optimizer_losing_state_fails_the_round_trip(manager):
     _with_plugin(
-        manager, "optimizers", "forgetful", lambda options, model: _ForgetfulSGD(model.parameters(), lr=0.1, momentum=0.9)
+        manager,
+        "optimizers",
+        "forgetful",
+        lambda options, model: _ForgetfulSGD(model.parameters(), lr=0.1, momentum=0.9),
     )
     message = _failure(manager, "optimizers", "forgetful", "state_dict_round_trip_resumes_exactly")
     assert "after a state_dict round trip, parameter 'embed.weight' differs from the uninterrupted run" in message
@@ -119,7 +125,9 @@ def test_loss_counting_ignored_positions_fails(manager):
         )
 
     _with_plugin(manager, "losses", "leaky", counts_everything)
-    message = _failure(manager, "losses", "leaky", "ignores_positions_labelled_ignore_index", reference=lambda lg, lb: 0)
+    message = _failure(
+        manager, "losses", "leaky", "ignores_positions_labelled_ignore_index", reference=lambda lg, lb: 0
+    )
     assert message == "loss 'leaky' passes gradient to ignored positions"
 
 
@@ -135,13 +143,17 @@ def test_loss_summed_instead_of_averaged_fails_the_token_mean_check(manager):
 
 
 def test_loss_differing_from_its_reference_fails(manager):
-    _with_plugin(manager, "losses", "ce", lambda options: lambda lg, lb: F.cross_entropy(lg.flatten(0, 1), lb.flatten()))
+    _with_plugin(
+        manager, "losses", "ce", lambda options: lambda lg, lb: F.cross_entropy(lg.flatten(0, 1), lb.flatten())
+    )
     message = _failure(manager, "losses", "ce", "matches_its_reference", reference=lambda lg, lb: torch.tensor(0.0))
     assert "loss 'ce' differs from its reference" in message
 
 
 def test_third_party_loss_without_a_reference_is_told_to_supply_one(manager):
-    _with_plugin(manager, "losses", "ce", lambda options: lambda lg, lb: F.cross_entropy(lg.flatten(0, 1), lb.flatten()))
+    _with_plugin(
+        manager, "losses", "ce", lambda options: lambda lg, lb: F.cross_entropy(lg.flatten(0, 1), lb.flatten())
+    )
     message = _failure(manager, "losses", "ce", "matches_its_reference")
     assert message == (
         "loss 'ce': give the kit an independent implementation to compare with: "
@@ -190,13 +202,15 @@ class _DropsNaN:
 def test_metrics_backend_losing_values_fails_the_read_back(manager):
     backend = _DropsNaN()
     _with_plugin(manager, "metrics_backends", "lossy", lambda options, context: backend)
-    message = _failure(manager, "metrics_backends", "lossy", "records_what_was_logged", read_back=lambda d, o: backend.records)
+    message = _failure(
+        manager, "metrics_backends", "lossy", "records_what_was_logged", read_back=lambda d, o: backend.records
+    )
     assert message == "metrics backend 'lossy' lost 'loss' at step 5"
 
 
 class _Stray(_DropsNaN):
     def start(self, config, manifest):
-        open("stray.txt", "w").close()  # noqa: SIM115 - writes in the working directory on purpose
+        open("stray.txt", "w").close()
 
 
 def test_metrics_backend_writing_outside_the_run_directory_fails(manager):
@@ -227,4 +241,7 @@ def test_check_component_reports_every_failure_at_once(manager):
     _with_plugin(manager, "tokenizers", "lower", lambda options: _Lowercasing())
     with pytest.raises(AssertionError) as caught:
         check_component("tokenizers", "lower", manager=manager)
-    assert str(caught.value) == "tokenizers:lower:decode_inverts_encode: tokenizer 'lower': decode(encode('Hello, Forge!')) differs"
+    assert (
+        str(caught.value)
+        == "tokenizers:lower:decode_inverts_encode: tokenizer 'lower': decode(encode('Hello, Forge!')) differs"
+    )

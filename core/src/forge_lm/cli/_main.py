@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub = config_commands.add_parser(
             action, help=text, description=f"{text[0].upper()}{text[1:]}. Overrides: --section.key=value."
         )
-        sub.add_argument("config_file", nargs="?", metavar="CONFIG", help="TOML run config (default: built-in defaults)")
+        sub.add_argument(
+            "config_file", nargs="?", metavar="CONFIG", help="TOML run config (default: built-in defaults)"
+        )
     return parser
 
 

@@ -141,7 +141,7 @@ class _Walker:
             return converter.structure(value, tp)
         except ForgeError:
             raise
-        except Exception as exc:  # noqa: BLE001 - cattrs raises many kinds; all mean a bad value
+        except Exception as exc:
             message = str(exc) or type(exc).__name__
             raise ConfigError(f"{_name(where, key)}: {message}.") from None
 
@@ -149,11 +149,11 @@ class _Walker:
         valid = [f.name for f in attrs.fields(cls)]
         for key in data:
             if key not in valid:
-                subject = f"{_name(where, key)}" if where else f"[{key}]"
                 kind = "key" if where else "section"
                 context = f" for {owner}" if owner else ""
+                hint = did_you_mean(key, valid)
                 raise ConfigError(
-                    f"{subject}: unknown {kind}{context}.{did_you_mean(key, valid)} Valid {kind}s: {quoted_list(valid)}."
+                    f"{_name(where, key)}: unknown {kind}{context}.{hint} Valid {kind}s: {quoted_list(valid)}."
                 )
 
     def _resolve(self, category: str, name: str, where: str) -> Any:

@@ -69,7 +69,9 @@ class ModelSection:
     vocab_size: int | None = attrs.field(
         default=None, validator=positive, metadata=_doc("Vocabulary size; unset = the tokenizer's.")
     )
-    max_seq_len: int = attrs.field(default=2048, validator=positive, metadata=_doc("Longest sequence the model accepts."))
+    max_seq_len: int = attrs.field(
+        default=2048, validator=positive, metadata=_doc("Longest sequence the model accepts.")
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.dim % self.n_heads:

@@ -16,7 +16,10 @@ from torch import nn
 
 def weight_decay_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False) -> list[dict[str, Any]]:
     embedding_ids = {
-        id(p) for module in model.modules() if isinstance(module, nn.Embedding) for p in module.parameters(recurse=False)
+        id(p)
+        for module in model.modules()
+        if isinstance(module, nn.Embedding)
+        for p in module.parameters(recurse=False)
     }
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []

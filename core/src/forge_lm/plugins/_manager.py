@@ -137,7 +137,7 @@ class PluginManager:
                 return info
             try:
                 plugin = loader()
-            except Exception as exc:  # noqa: BLE001 - a plugin may fail in any way
+            except Exception as exc:
                 raise _PluginFailure(f"import failed: {type(exc).__name__}: {exc}") from exc
             self._activate(info, plugin)
         except _PluginFailure as failure:
@@ -199,10 +199,8 @@ class PluginManager:
                     impl.function(**{arg: register for arg in impl.argnames})
                 except _PluginFailure:
                     raise
-                except Exception as exc:  # noqa: BLE001
-                    raise _PluginFailure(
-                        f"{impl.function.__name__} failed: {type(exc).__name__}: {exc}"
-                    ) from exc
+                except Exception as exc:
+                    raise _PluginFailure(f"{impl.function.__name__} failed: {type(exc).__name__}: {exc}") from exc
         seen: set[tuple[str, str]] = set()
         for component in components:
             key = (component.category, component.name)

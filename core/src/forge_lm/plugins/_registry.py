@@ -69,9 +69,7 @@ class Registry:
         if not candidates:
             raise PluginError(self._unknown_message(category, bare))
         if dist:
-            chosen = [
-                c for c in candidates if canonicalize_name(c.plugin.distribution) == canonicalize_name(dist)
-            ]
+            chosen = [c for c in candidates if canonicalize_name(c.plugin.distribution) == canonicalize_name(dist)]
             if not chosen:
                 raise PluginError(
                     f"{noun} '{bare}' is not provided by a distribution named '{dist}'; it is "
@@ -87,10 +85,7 @@ class Registry:
         component = candidates[0]
         plugin = component.plugin
         if plugin.status is PluginStatus.INCOMPATIBLE:
-            raise PluginError(
-                f"{noun} '{bare}' comes from {plugin.label}, which is incompatible: "
-                f"{plugin.reason}."
-            )
+            raise PluginError(f"{noun} '{bare}' comes from {plugin.label}, which is incompatible: {plugin.reason}.")
         if plugin.status is not PluginStatus.OK:
             raise PluginError(f"{noun} '{bare}' comes from {plugin.label}, which is {plugin.status}.")
         return component

@@ -80,7 +80,5 @@ def check_state_round_trip_restores_the_next_sample(subject: Subject) -> None:
 def check_data_parallel_ranks_get_distinct_samples(subject: Subject) -> None:
     rank0 = _take(subject.build(_context(subject, dp_rank=0, dp_size=2)), 3)
     rank1 = _take(subject.build(_context(subject, dp_rank=1, dp_size=2)), 3)
-    overlap = [
-        i for i, a in enumerate(rank0) for b in rank1 if torch.equal(a["input_ids"], b["input_ids"])
-    ]
+    overlap = [i for i, a in enumerate(rank0) for b in rank1 if torch.equal(a["input_ids"], b["input_ids"])]
     assert not overlap, f"{subject.label}: ranks 0 and 1 of 2 receive the same samples"

@@ -27,7 +27,7 @@ def _entry_points(dist: str) -> list[importlib.metadata.EntryPoint]:
 def check_declares_forge_lm_entry_points(dist: str) -> None:
     assert _entry_points(dist), (
         f"'{dist}' declares no entry point in the '{PROJECT_NAME}' group; add to its pyproject.toml:\n"
-        f"[project.entry-points.{PROJECT_NAME}]\nmy_plugin = \"my_package.plugin\""
+        f'[project.entry-points.{PROJECT_NAME}]\nmy_plugin = "my_package.plugin"'
     )
 
 
