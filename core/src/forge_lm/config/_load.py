@@ -141,7 +141,7 @@ class _Walker:
             return converter.structure(value, tp)
         except ForgeError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - cattrs raises many kinds; each means a bad value
             message = str(exc) or type(exc).__name__
             raise ConfigError(f"{_name(where, key)}: {message}.") from None
 

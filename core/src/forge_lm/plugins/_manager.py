@@ -137,7 +137,7 @@ class PluginManager:
                 return info
             try:
                 plugin = loader()
-            except Exception as exc:
+            except Exception as exc:  # a plugin may fail to import in any way
                 raise _PluginFailure(f"import failed: {type(exc).__name__}: {exc}") from exc
             self._activate(info, plugin)
         except _PluginFailure as failure:
@@ -199,7 +199,7 @@ class PluginManager:
                     impl.function(**{arg: register for arg in impl.argnames})
                 except _PluginFailure:
                     raise
-                except Exception as exc:
+                except Exception as exc:  # any error in a plugin's hook makes it broken
                     raise _PluginFailure(f"{impl.function.__name__} failed: {type(exc).__name__}: {exc}") from exc
         seen: set[tuple[str, str]] = set()
         for component in components:

@@ -88,7 +88,7 @@ class Component:
         module_name, _, attribute = self.factory.partition(":")
         try:
             return getattr(importlib.import_module(module_name), attribute)
-        except Exception as exc:
+        except Exception as exc:  # whatever the import raises, the fix is the same
             dist = self.plugin.distribution
             raise PluginError(
                 f"{singular(self.category)} '{self.name}' from {self.plugin.label} cannot be built: importing "

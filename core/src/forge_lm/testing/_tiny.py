@@ -51,7 +51,7 @@ def plain_round_trip(state: object) -> object:
     buffer.seek(0)
     try:
         return torch.load(buffer, weights_only=True)
-    except Exception as exc:
+    except Exception as exc:  # any failure means the state is not plain data
         raise AssertionError(
             f"state cannot be loaded with torch.load(weights_only=True): {exc}. Keep state to "
             "tensors, numbers, strings, lists and dicts, so checkpoints never unpickle code."
