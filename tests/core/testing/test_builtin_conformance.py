@@ -21,8 +21,3 @@ BUILTINS_ONLY = PluginManager(PluginSettings(autoload=False))
 )
 def test_builtin_component_honours_its_contract(check):
     check()
-
-
-@parametrize_with_checks(distributions=["forge-moe", "forge-optim-muon", "forge-wandb"])
-def test_first_party_plugin_distribution_is_well_packaged(check):
-    check()
