@@ -15,6 +15,14 @@ import pytest
 from forge_lm.plugins import PluginManager, PluginSettings
 
 
+@pytest.fixture(autouse=True)
+def _no_plugin_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests start from the default switches, whatever the developer's shell exports."""
+    for name in list(os.environ):
+        if name.startswith("FORGE_LM_"):
+            monkeypatch.delenv(name)
+
+
 @pytest.fixture
 def manager() -> PluginManager:
     """A plugin manager with the built-ins only (third-party autoloading off)."""
