@@ -21,7 +21,7 @@ import attrs
 import pluggy
 
 from forge_lm import hookspecs
-from forge_lm.errors import PluginError, did_you_mean
+from forge_lm.errors import ForgeError, PluginError, did_you_mean
 from forge_lm.hookspecs import PROJECT_NAME
 from forge_lm.plugins._api import API_ATTRIBUTE, api_incompatibility
 from forge_lm.plugins._categories import CATEGORIES, registration_hook
@@ -245,8 +245,23 @@ class PluginManager:
         return hashlib.sha256(blob).hexdigest()
 
     def configure(self, config: object) -> None:
-        """Give every plugin the resolved config to check (the ``forge_lm_configure`` hook)."""
-        self.hook.forge_lm_configure(config=config)
+        """Give every plugin the resolved config to check (the ``forge_lm_configure`` hook).
+
+        A plugin rejects a config by raising :class:`ConfigError`; any other exception is a
+        bug in that plugin and is reported as a :class:`PluginError` naming it.
+        """
+        for impl in reversed(self.hook.forge_lm_configure.get_hookimpls()):  # pluggy's call order
+            try:
+                impl.function(**_kwargs(impl, config=config))
+            except ForgeError:
+                raise
+            except Exception as exc:  # a plugin bug must not surface as a bare traceback
+                plugin = self.plugin(impl.plugin_name)
+                raise PluginError(
+                    f"{plugin.label} failed while checking the config: {type(exc).__name__}: {exc}. "
+                    f"This is a bug in the plugin: report it to its authors, or run without it "
+                    f"(--block-plugin {plugin.name})."
+                ) from exc
 
     def save_states(self, context: object) -> dict[str, Any]:
         """Each plugin's checkpoint state, keyed by plugin name (plugins returning None omitted)."""
