@@ -63,12 +63,3 @@ def load_plugins() -> Callable[..., PluginManager]:
         return PluginManager(PluginSettings(allow=names, block=block))
 
     return load
-
-
-@pytest.fixture
-def local_manager() -> PluginManager:
-    """The built-ins only, no entry points, autoloading on: for :meth:`PluginManager.add_plugin`.
-
-    (With autoloading off, as in the shared ``manager`` fixture, an added plugin is disabled.)
-    """
-    return PluginManager(PluginSettings(), entry_points=False)

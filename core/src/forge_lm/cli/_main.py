@@ -32,18 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=version_text())
-    switches = parser.add_argument_group(
-        "plugin switches", f"also set by {ENV_DISABLE_AUTOLOAD}, {ENV_ALLOW} and {ENV_BLOCK}"
-    )
-    switches.add_argument("--no-plugin-autoload", action="store_true", help="load no third-party plugins")
-    switches.add_argument("--plugins", metavar="A,B", help="load only these third-party plugins")
-    switches.add_argument(
-        "--block-plugin", metavar="NAME", action="append", default=[], help="never load this plugin (repeatable)"
-    )
+    _add_plugin_switches(parser, after_command=False)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     listing = commands.add_parser("list-plugins", help="show installed plugins and their components")
     listing.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _add_plugin_switches(listing, after_command=True)
 
     config = commands.add_parser("config", help="show or validate a run config")
     config_commands = config.add_subparsers(dest="config_command", metavar="ACTION", parser_class=_Parser)
@@ -57,7 +51,30 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "config_file", nargs="?", metavar="CONFIG", help="TOML run config (default: built-in defaults)"
         )
+        _add_plugin_switches(sub, after_command=True)
     return parser
+
+
+def _add_plugin_switches(parser: argparse.ArgumentParser, *, after_command: bool) -> None:
+    """The plugin switches, accepted before the command and after it alike.
+
+    After the command they default to "not given" (SUPPRESS), so they add to the switches
+    given before it instead of resetting them; blocked plugins from both places are combined.
+    """
+    unset = {"default": argparse.SUPPRESS} if after_command else {}
+    switches = parser.add_argument_group(
+        "plugin switches", f"also set by {ENV_DISABLE_AUTOLOAD}, {ENV_ALLOW} and {ENV_BLOCK}"
+    )
+    switches.add_argument("--no-plugin-autoload", action="store_true", help="load no third-party plugins", **unset)
+    switches.add_argument("--plugins", metavar="A,B", help="load only these third-party plugins", **unset)
+    switches.add_argument(
+        "--block-plugin",
+        metavar="NAME",
+        action="append",
+        dest="block_plugin_after_command" if after_command else "block_plugin",
+        help="never load this plugin (repeatable)",
+        **(unset or {"default": []}),
+    )
 
 
 def version_text() -> str:
@@ -87,7 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _plugin_manager(args: argparse.Namespace) -> PluginManager:
     settings = PluginSettings.from_env().with_cli(
-        no_autoload=args.no_plugin_autoload, allow=args.plugins, block=args.block_plugin
+        no_autoload=args.no_plugin_autoload,
+        allow=args.plugins,
+        block=[*args.block_plugin, *getattr(args, "block_plugin_after_command", [])],
     )
     manager = PluginManager(settings)
     for warning in manager.warnings:
@@ -108,7 +127,13 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: l
     if args.command == "config":
         if args.config_command is None:
             raise UsageError("say what to do with the config: 'forge config show' or 'forge config validate'.")
+        from pathlib import Path
+
         from forge_lm.cli._config import config_command
+        from forge_lm.config import parse_overrides
+
+        if args.config_file and "=" in args.config_file and not Path(args.config_file).exists():
+            parse_overrides([args.config_file])
 
         return config_command(_plugin_manager(args), args.config_command, args.config_file, rest)
     raise UsageError(f"unknown command '{args.command}'")  # argparse rejects these first

@@ -30,6 +30,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file '{path}' does not exist.") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file '{path}' is not valid TOML: it is not UTF-8 text ({exc.reason} at byte {exc.start})."
+        ) from None
     except OSError as exc:
         raise ConfigError(f"config file '{path}' cannot be read: {exc.strerror}.") from None
     try:
@@ -83,7 +87,7 @@ def structure_config(data: Mapping[str, Any], registry: Registry) -> ForgeConfig
     config = _Walker(registry).structure(ForgeConfig, data, "")
     problems = check_cross_section(config)
     if problems:
-        raise ConfigError("\n".join(f"{where}: {message}" for where, message in problems))
+        raise ConfigError("\n".join(f"{where}: {message}." for where, message in problems))
     return config
 
 
@@ -100,8 +104,12 @@ class _Walker:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
 
-    def structure(self, cls: type, data: Any, where: str, owner: str = "") -> Any:
-        """An instance of the attrs class ``cls`` from the table ``data`` found at ``where``."""
+    def structure(self, cls: type, data: Any, where: str, owner: str = "", also: tuple[str, ...] = ()) -> Any:
+        """An instance of the attrs class ``cls`` from the table ``data`` found at ``where``.
+
+        ``owner`` names the component whose options these are; ``also`` are keys the section
+        accepts besides the fields (a component section's ``name``), offered as suggestions.
+        """
         if not isinstance(data, Mapping):
             raise ConfigError(f"[{where}] must be a table, got {describe(data)}.")
         data = dict(data)
@@ -110,7 +118,7 @@ class _Walker:
         for field in fields:
             if field.metadata.get(MANY):
                 values[field.name] = self._component_list(field, data, where)
-        self._reject_unknown_keys(cls, data, where, owner)
+        self._reject_unknown_keys(cls, data, where, owner, also)
         for field in fields:
             if field.name in values:
                 continue
@@ -132,7 +140,7 @@ class _Walker:
         except FieldError as exc:
             raise ConfigError(f"{_name(where, exc.key)}: {exc.message}.") from None
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"[{where}]: {exc}.") from None
+            raise ConfigError(f"[{where}]: {exc.args[0] if exc.args else exc}.") from None
 
     def _value(self, value: Any, tp: Any, where: str, key: str) -> Any:
         if isinstance(value, Mapping) and not _accepts_table(tp):
@@ -145,22 +153,25 @@ class _Walker:
             message = str(exc) or type(exc).__name__
             raise ConfigError(f"{_name(where, key)}: {message}.") from None
 
-    def _reject_unknown_keys(self, cls: type, data: Mapping[str, Any], where: str, owner: str) -> None:
+    def _reject_unknown_keys(
+        self, cls: type, data: Mapping[str, Any], where: str, owner: str, also: tuple[str, ...]
+    ) -> None:
         valid = [f.name for f in attrs.fields(cls)]
         for key in data:
             if key not in valid:
                 kind = "key" if where else "section"
                 context = f" for {owner}" if owner else ""
-                hint = did_you_mean(key, valid)
+                hint = did_you_mean(key, [*valid, *also])
                 raise ConfigError(
                     f"{_name(where, key)}: unknown {kind}{context}.{hint} Valid {kind}s: {quoted_list(valid)}."
                 )
 
-    def _resolve(self, category: str, name: str, where: str) -> Any:
+    def _resolve(self, category: str, name: str, where: str, named_at: str | None) -> Any:
+        """The component ``name``; errors point at ``named_at``, else at ``[where] name``."""
         try:
             return self.registry.resolve(category, name)
         except ForgeError as exc:
-            raise ConfigError(f"{_name(where, 'name')} = '{name}': {exc}") from exc
+            raise ConfigError(f"{named_at or _name(where, 'name') + f' = {name!r}'}: {exc}") from exc
 
     def _component(self, category: str, data: Any, where: str, field: Any) -> ComponentConfig:
         """A component section: ``name`` picks the component, the rest are its options."""
@@ -172,12 +183,20 @@ class _Walker:
         if name is None:
             raise ConfigError(f"{_name(where, 'name')}: required; say which {singular(category)} to use.")
         name = self._value(name, str, where, "name")
-        return self._options(category, name, data, where)
+        return self._options(category, name, data, where, also=("name",))
 
-    def _options(self, category: str, name: str, data: Mapping[str, Any], where: str) -> ComponentConfig:
-        found = self._resolve(category, name, where)
+    def _options(
+        self,
+        category: str,
+        name: str,
+        data: Mapping[str, Any],
+        where: str,
+        also: tuple[str, ...] = (),
+        named_at: str | None = None,
+    ) -> ComponentConfig:
+        found = self._resolve(category, name, where, named_at)
         owner = f"{singular(category)} '{name}'"
-        options = self.structure(found.options_class, data, where, owner=owner)
+        options = self.structure(found.options_class, data, where, owner=owner, also=also)
         return ComponentConfig(name, options)
 
     def _component_list(self, field: Any, data: dict[str, Any], where: str) -> list[ComponentConfig]:
@@ -188,13 +207,15 @@ class _Walker:
             names = self._value(data.pop(field.name), list[str], where, field.name)
         else:
             names = [c.name for c in field.default.factory()]
-        if len(set(names)) != len(names):
+        bares = [n.rpartition(":")[2] for n in names]
+        if len(set(bares)) != len(bares):
             raise ConfigError(f"{_name(where, field.name)}: lists a {singular(category)} twice: {names}.")
         selected = []
         for name in names:
             bare = name.rpartition(":")[2]
             table = data.pop(bare, {})
-            selected.append(self._options(category, name, table, _join(where, bare)))
+            listed_at = _name(where, field.name)
+            selected.append(self._options(category, name, table, _join(where, bare), named_at=listed_at))
         known = set(self.registry.names(category))
         for key in list(data):
             if key in known and isinstance(data[key], Mapping):

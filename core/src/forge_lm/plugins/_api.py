@@ -15,7 +15,7 @@ API_ATTRIBUTE = "FORGE_LM_PLUGIN_API"
 def api_incompatibility(declared: object, module_name: str) -> str | None:
     """Why a plugin declaring ``declared`` cannot run on this core, or None if it can."""
     example = f'{API_ATTRIBUTE} = ">=1,<2"'
-    if declared is None:
+    if declared is None or (isinstance(declared, str) and not declared.strip()):
         return (
             f"declares no plugin API range; add {example} to module '{module_name}' "
             f"(this core provides plugin API {PLUGIN_API_VERSION})"

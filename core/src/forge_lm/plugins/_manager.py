@@ -145,6 +145,12 @@ class PluginManager:
         return info
 
     def _activate(self, info: PluginInfo, plugin: object) -> None:
+        other = self._hooks.get_name(plugin)
+        if other is not None:
+            raise _PluginFailure(
+                f"its module '{info.module}' is already loaded as plugin '{other}'; "
+                "name each plugin module in one entry point only"
+            )
         try:
             self._hooks.register(plugin, name=info.name)
         except (pluggy.PluginValidationError, ValueError) as exc:
@@ -194,6 +200,8 @@ class PluginManager:
                     _category: str = category,
                 ) -> None:
                     components.append(_make_component(info, _category, name, factory, config, description))
+
+                register.__qualname__ = "register"  # how a plugin author's TypeError names it
 
                 try:
                     impl.function(**{arg: register for arg in impl.argnames})

@@ -1,0 +1,287 @@
+"""Every mistake in a config names where it is and what is right, in an exact message."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from forge_lm.config import load_config, parse_overrides, read_toml
+from forge_lm.errors import ConfigError, UsageError
+from forge_lm.plugins import PluginManager, PluginSettings, core_version
+
+CORE = f"forge-lm {core_version()}"
+
+# -- unknown keys and sections ----------------------------------------------------------------
+
+
+def test_an_unknown_key_suggests_the_close_one_and_lists_the_valid_keys(error):
+    assert error("[model]\nn_head = 8\n") == (
+        "[model] n_head: unknown key. Did you mean 'n_heads'? "
+        "Valid keys: 'dim', 'max_seq_len', 'n_heads', 'n_kv_heads', 'n_layers', 'vocab_size'."
+    )
+
+
+def test_an_unknown_key_with_nothing_close_lists_the_valid_keys_only(error):
+    assert error("[run]\ncolour = 1\n") == "[run] colour: unknown key. Valid keys: 'name', 'output_dir', 'seed'."
+
+
+def test_an_unknown_key_given_as_an_override_is_reported_the_same_way(error):
+    assert error(None, "--train.step=3") == (
+        "[train] step: unknown key. Did you mean 'steps'? Valid keys: 'batch_size', 'seq_len', 'steps'."
+    )
+
+
+ALL_SECTIONS = "'data', 'loss', 'metrics', 'model', 'optimizer', 'run', 'scheduler', 'tokenizer', 'train'"
+
+
+def test_an_unknown_section_suggests_the_close_one_and_lists_the_sections(error):
+    assert error("[modle]\nn_heads = 8\n") == (
+        f"[modle]: unknown section. Did you mean 'model'? Valid sections: {ALL_SECTIONS}."
+    )
+
+
+def test_an_unknown_section_given_as_an_override_is_reported_as_a_section(error):
+    assert error(None, "--optimiser.lr=1e-3") == (
+        f"[optimiser]: unknown section. Did you mean 'optimizer'? Valid sections: {ALL_SECTIONS}."
+    )
+
+
+def test_an_unknown_top_level_value_is_an_unknown_section(error):
+    assert error("seed = 3\n") == f"[seed]: unknown section. Valid sections: {ALL_SECTIONS}."
+
+
+def test_an_unknown_key_in_a_component_section_names_the_component_and_its_keys(error):
+    assert error("[optimizer]\nlrr = 1e-3\n") == (
+        "[optimizer] lrr: unknown key for optimizer 'adamw'. Did you mean 'lr'? "
+        "Valid keys: 'betas', 'decay_embeddings', 'eps', 'lr', 'weight_decay'."
+    )
+
+
+def test_a_component_without_options_rejects_any_option_key(error):
+    assert error("[loss]\nlabel_smoothing = 0.1\n") == (
+        "[loss] label_smoothing: unknown key for loss 'cross_entropy'. Valid keys: (none)."
+    )
+
+
+def test_a_misspelt_name_key_of_a_component_section_suggests_name(error):
+    # 'name' is a valid key of every component section, so it is a candidate for suggestions.
+    assert error('[scheduler]\nnmae = "constant"\n') == (
+        "[scheduler] nmae: unknown key for scheduler 'cosine'. Did you mean 'name'? "
+        "Valid keys: 'min_lr_ratio', 'warmup_steps'."
+    )
+
+
+# -- validators -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("toml", "overrides", "expected"),
+    [
+        (None, ("--optimizer.lr=-1",), "[optimizer] lr: must be > 0, got -1.0."),
+        ("[optimizer]\nlr = 0\n", (), "[optimizer] lr: must be > 0, got 0.0."),
+        ("[optimizer]\neps = -1e-8\n", (), "[optimizer] eps: must be > 0, got -1e-08."),
+        (None, ("--optimizer.weight_decay=-0.1",), "[optimizer] weight_decay: must be >= 0, got -0.1."),
+        (None, ("--scheduler.min_lr_ratio=1.5",), "[scheduler] min_lr_ratio: must be between 0 and 1, got 1.5."),
+        (None, ("--scheduler.warmup_steps=-1",), "[scheduler] warmup_steps: must be >= 0, got -1."),
+        ("[model]\nn_layers = 0\n", (), "[model] n_layers: must be > 0, got 0."),
+        (None, ("--model.n_heads=0",), "[model] n_heads: must be > 0, got 0."),
+        (None, ("--model.n_kv_heads=0",), "[model] n_kv_heads: must be > 0, got 0."),
+        (None, ("--train.batch_size=-8",), "[train] batch_size: must be > 0, got -8."),
+        (None, ("--metrics.interval=0",), "[metrics] interval: must be > 0, got 0."),
+        ("[metrics.console]\ndigits = 0\n", (), "[metrics.console] digits: must be > 0, got 0."),
+    ],
+)
+def test_a_value_a_validator_rejects_is_reported_with_section_key_rule_and_value(error, toml, overrides, expected):
+    assert error(toml, *overrides) == expected
+
+
+def test_n_kv_heads_not_dividing_n_heads_names_n_kv_heads(error):
+    assert error(None, "--model.n_heads=8", "--model.n_kv_heads=3") == (
+        "[model] n_kv_heads: n_heads (8) must be divisible by n_kv_heads (3)."
+    )
+
+
+def test_more_kv_heads_than_heads_is_an_error(error):
+    assert error(None, "--model.n_kv_heads=8") == (
+        "[model] n_kv_heads: n_heads (4) must be divisible by n_kv_heads (8)."
+    )
+
+
+def test_train_seq_len_above_model_max_seq_len_is_a_cross_section_error(error):
+    assert error("[train]\nseq_len = 4096\n") == (
+        "[train] seq_len: 4096 exceeds [model] max_seq_len (2048); lower seq_len or raise max_seq_len."
+    )
+
+
+def test_train_seq_len_equal_to_max_seq_len_is_valid(load):
+    assert load(None, "--train.seq_len=2048").train.seq_len == 2048
+
+
+# -- sections and values in the wrong place ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("toml", "overrides", "expected"),
+    [
+        ("model = 3\n", (), "[model] must be a table, got integer 3."),
+        ('run = "x"\n', (), "[run] must be a table, got string 'x'."),
+        (None, ("--model=3",), "[model] must be a table, got '3'."),
+        (None, ("--optimizer=adamw",), "[optimizer] must be a table with a 'name' key, got 'adamw'."),
+        ('optimizer = "adamw"\n', (), "[optimizer] must be a table with a 'name' key, got string 'adamw'."),
+        ("[metrics]\nconsole = 3\n", (), "[metrics.console] must be a table, got integer 3."),
+        (None, ("--model.n_heads.x=1",), "[model] n_heads: expected a value, got a table."),
+        ("[model.n_heads]\nx = 1\n", (), "[model] n_heads: expected a value, got a table."),
+    ],
+)
+def test_a_section_given_as_a_value_or_a_value_given_as_a_table_is_an_error(error, toml, overrides, expected):
+    assert error(toml, *overrides) == expected
+
+
+# -- malformed overrides ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "arg",
+    ["--model.n_heads", "model.n_heads=8", "-model.n_heads=8", "--model..n_heads=8", "--.n_heads=8", "--=8"],
+)
+def test_a_malformed_override_is_a_usage_error_showing_the_right_form(arg):
+    with pytest.raises(UsageError) as info:
+        parse_overrides([arg])
+    assert str(info.value) == f"'{arg}' is not an override; write --section.key=value (e.g. --model.n_heads=8)."
+
+
+def test_load_config_reports_a_malformed_override_as_a_usage_error(error):
+    message = error(None, "--model.n_heads", kind=UsageError)
+    assert message == "'--model.n_heads' is not an override; write --section.key=value (e.g. --model.n_heads=8)."
+
+
+def test_an_override_inside_a_key_that_an_earlier_override_set_is_a_usage_error():
+    with pytest.raises(UsageError) as info:
+        parse_overrides(["--model.n_heads=8", "--model.n_heads.x=1"])
+    assert (
+        str(info.value)
+        == "'--model.n_heads.x=1' sets a key inside 'n_heads', which an earlier override set to a value."
+    )
+
+
+# -- the config file itself -------------------------------------------------------------------
+
+
+def test_a_missing_config_file_is_named(tmp_path, builtins):
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path, [], builtins.registry)
+    assert str(info.value) == f"config file '{path}' does not exist."
+
+
+def test_a_directory_given_as_the_config_file_cannot_be_read(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        read_toml(tmp_path)
+    assert str(info.value) == f"config file '{tmp_path}' cannot be read: Is a directory."
+
+
+@pytest.mark.parametrize(
+    ("text", "detail"),
+    [
+        ("[model\nn_heads = 4\n", "Expected ']' at the end of a table declaration (at line 1, column 7)"),
+        ("n_heads 4\n", "Expected '=' after a key in a key/value pair (at line 1, column 9)"),
+        ("[model]\nn_heads = 4\nn_heads = 8\n", "Cannot overwrite a value (at line 3, column 12)"),
+    ],
+)
+def test_a_file_that_is_not_valid_toml_is_named_with_the_parsers_position(write_toml, text, detail):
+    path = write_toml(text)
+    with pytest.raises(ConfigError) as info:
+        read_toml(path)
+    assert str(info.value) == f"config file '{path}' is not valid TOML: {detail}."
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error_naming_the_file(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[run]\nname = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
+        read_toml(path)
+    assert str(info.value).startswith(f"config file '{path}' is not valid TOML: ")
+    assert "UTF-8" in str(info.value)
+
+
+# -- unknown component names ------------------------------------------------------------------
+
+
+def test_an_unknown_component_names_section_and_key_suggests_and_lists_the_available_ones(error):
+    assert error('[optimizer]\nname = "adamx"\n') == (
+        "[optimizer] name = 'adamx': unknown optimizer 'adamx'. Did you mean 'adamw'?\n"
+        "Available optimizers: 'adamw'.\n"
+        f"Installed plugins offering optimizers: plugin 'core.optimizers' ({CORE})."
+    )
+
+
+def test_an_unknown_component_given_as_an_override_without_a_close_match_lists_the_available_ones(error):
+    assert error(None, "--scheduler.name=linear") == (
+        "[scheduler] name = 'linear': unknown scheduler 'linear'.\n"
+        "Available schedulers: 'constant', 'cosine'.\n"
+        f"Installed plugins offering schedulers: plugin 'core.schedulers' ({CORE})."
+    )
+
+
+def test_a_known_first_party_component_that_is_not_installed_names_the_package_to_install(error):
+    assert error(None, "--optimizer.name=muon") == (
+        "[optimizer] name = 'muon': unknown optimizer 'muon'.\n"
+        "Available optimizers: 'adamw'.\n"
+        f"Installed plugins offering optimizers: plugin 'core.optimizers' ({CORE}).\n"
+        "'muon' is provided by the package forge-optim-muon: pip install forge-optim-muon"
+    )
+
+
+def test_an_unknown_metrics_backend_names_the_backends_key_that_lists_it(error):
+    # The user wrote [metrics] backends; there is no [metrics.wandb] table nor a name key in it.
+    assert error(None, '--metrics.backends=["console", "wandb"]') == (
+        "[metrics] backends: unknown metrics backend 'wandb'.\n"
+        "Available metrics backends: 'console', 'jsonl'.\n"
+        f"Installed plugins offering metrics backends: plugin 'core.metrics' ({CORE}).\n"
+        "'wandb' is provided by the package forge-wandb: pip install forge-wandb"
+    )
+
+
+def _wandb() -> str:
+    return f"plugin 'wandb' (forge-wandb {importlib.metadata.version('forge-wandb')})"
+
+
+def _muon() -> str:
+    return f"plugin 'muon' (forge-optim-muon {importlib.metadata.version('forge-optim-muon')})"
+
+
+def test_wandb_backend_with_the_installed_stub_loaded_says_the_package_does_not_provide_it_yet(error):
+    # The forge-wandb stub is installed and loads, but registers nothing yet.
+    message = error(None, '--metrics.backends=["wandb"]', manager=PluginManager(PluginSettings()))
+    assert message.splitlines()[1:] == [
+        "Available metrics backends: 'console', 'jsonl'.",
+        f"Installed plugins offering metrics backends: plugin 'core.metrics' ({CORE}).",
+        f"{_wandb()} is installed but does not provide it; upgrade it: pip install --upgrade forge-wandb",
+    ]
+
+
+def test_wandb_backend_with_autoloading_off_says_the_installed_plugin_is_disabled(error):
+    message = error(None, '--metrics.backends=["wandb"]', manager=PluginManager(PluginSettings(autoload=False)))
+    assert message.splitlines()[1:] == [
+        "Available metrics backends: 'console', 'jsonl'.",
+        f"Installed plugins offering metrics backends: plugin 'core.metrics' ({CORE}).",
+        f"{_wandb()} is installed but disabled (plugin autoloading is off "
+        "(FORGE_LM_DISABLE_PLUGIN_AUTOLOAD or --no-plugin-autoload)); enable it to use its components.",
+    ]
+
+
+def test_muon_optimizer_with_the_installed_stub_loaded_gives_the_whole_message(error):
+    assert error(None, "--optimizer.name=muon", manager=PluginManager(PluginSettings())) == (
+        "[optimizer] name = 'muon': unknown optimizer 'muon'.\n"
+        "Available optimizers: 'adamw'.\n"
+        f"Installed plugins offering optimizers: plugin 'core.optimizers' ({CORE}).\n"
+        f"{_muon()} is installed but does not provide it; upgrade it: pip install --upgrade forge-optim-muon"
+    )
+
+
+def test_a_component_qualified_by_the_wrong_distribution_names_the_real_provider(error):
+    assert error(None, "--optimizer.name=forge-moe:adamw") == (
+        "[optimizer] name = 'forge-moe:adamw': optimizer 'adamw' is not provided by a distribution named "
+        f"'forge-moe'; it is provided by {CORE} (plugin 'core.optimizers')."
+    )
