@@ -29,8 +29,16 @@ class UsageError(ForgeError):
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """Return ``" Did you mean 'x'?"`` for the closest choice, or an empty string."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    """Return ``" Did you mean 'x'?"`` for the closest choice, or an empty string.
+
+    Close spellings first; failing that, the one choice that starts with ``word`` (``metric``
+    for ``metrics_backends``), which plain similarity misses for short words.
+    """
+    choices = list(choices)
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if not close and len(word) >= 3:
+        close = [c for c in choices if c.startswith(word)]
+        close = close if len(close) == 1 else []
     return f" Did you mean '{close[0]}'?" if close else ""
 
 

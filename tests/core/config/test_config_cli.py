@@ -108,8 +108,8 @@ def test_an_unknown_component_with_autoloading_off_says_the_installed_plugin_is_
         "forge: error: [optimizer] name = 'muon': unknown optimizer 'muon'.\n"
         "Available optimizers: 'adamw'.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' (forge-lm {core_version()}).\n"
-        f"plugin 'muon' (forge-optim-muon {muon.version}) is installed but disabled (plugin autoloading is off "
-        "(FORGE_LM_DISABLE_PLUGIN_AUTOLOAD or --no-plugin-autoload)); enable it to use its components.\n",
+        f"plugin 'muon' (forge-optim-muon {muon.version}) is installed but disabled: plugin autoloading is off "
+        "(FORGE_LM_DISABLE_PLUGIN_AUTOLOAD or --no-plugin-autoload). Enable it to use its components.\n",
     )
 
 

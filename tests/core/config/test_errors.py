@@ -257,7 +257,7 @@ def test_wandb_backend_with_the_installed_stub_loaded_says_the_package_does_not_
     assert message.splitlines()[1:] == [
         "Available metrics backends: 'console', 'jsonl'.",
         f"Installed plugins offering metrics backends: plugin 'core.metrics' ({CORE}).",
-        f"{_wandb()} is installed but does not provide it; upgrade it: pip install --upgrade forge-wandb",
+        f"{_wandb()} is installed but does not provide it; a newer release may: pip install --upgrade forge-wandb",
     ]
 
 
@@ -266,8 +266,8 @@ def test_wandb_backend_with_autoloading_off_says_the_installed_plugin_is_disable
     assert message.splitlines()[1:] == [
         "Available metrics backends: 'console', 'jsonl'.",
         f"Installed plugins offering metrics backends: plugin 'core.metrics' ({CORE}).",
-        f"{_wandb()} is installed but disabled (plugin autoloading is off "
-        "(FORGE_LM_DISABLE_PLUGIN_AUTOLOAD or --no-plugin-autoload)); enable it to use its components.",
+        f"{_wandb()} is installed but disabled: plugin autoloading is off "
+        "(FORGE_LM_DISABLE_PLUGIN_AUTOLOAD or --no-plugin-autoload). Enable it to use its components.",
     ]
 
 
@@ -276,7 +276,7 @@ def test_muon_optimizer_with_the_installed_stub_loaded_gives_the_whole_message(e
         "[optimizer] name = 'muon': unknown optimizer 'muon'.\n"
         "Available optimizers: 'adamw'.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' ({CORE}).\n"
-        f"{_muon()} is installed but does not provide it; upgrade it: pip install --upgrade forge-optim-muon"
+        f"{_muon()} is installed but does not provide it; a newer release may: pip install --upgrade forge-optim-muon"
     )
 
 

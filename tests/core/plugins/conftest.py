@@ -8,17 +8,10 @@ from collections.abc import Callable
 
 import pytest
 
-from forge_lm.plugins import ENV_ALLOW, ENV_BLOCK, ENV_DISABLE_AUTOLOAD, PluginManager, PluginSettings
+from forge_lm.plugins import PluginManager, PluginSettings
 
 HEADER = "from forge_lm import hookimpl\n"
 COMPATIBLE = '">=1,<2"'
-
-
-@pytest.fixture(autouse=True)
-def _no_plugin_switches_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The switches of whoever runs the tests must not reach the managers or the CLI."""
-    for name in (ENV_ALLOW, ENV_BLOCK, ENV_DISABLE_AUTOLOAD):
-        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture

@@ -265,6 +265,12 @@ NAME_RULES = "use lower-case letters, digits, '_', '.' or '-' (':' is reserved f
             id="description-not-a-string",
         ),
         pytest.param(
+            'register("bad", "forge_fake_impl:build", config=MaybeNone, description="d")',
+            "optimizer 'bad': option 'clip' may be None but defaults to 1.0; a TOML config cannot write None, "
+            "so default it to None (meaning 'derive it') or make it non-optional",
+            id="optional-option-with-a-non-none-default",
+        ),
+        pytest.param(
             'register("bad", "forge_fake_impl:build", None, "d", "extra")',
             "forge_lm_register_optimizers failed: TypeError: "
             "register() takes from 2 to 4 positional arguments but 5 were given",
@@ -282,6 +288,10 @@ def test_invalid_registration_makes_the_plugin_broken_and_registers_nothing(inst
         @attrs.define
         class Options:
             lr: float = 0.1
+
+        @attrs.define
+        class MaybeNone:
+            clip: float | None = 1.0
 
         @hookimpl
         def forge_lm_register_losses(register):

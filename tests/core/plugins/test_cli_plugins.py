@@ -273,8 +273,8 @@ def test_blocklist_variable_can_block_a_builtin_and_then_its_component_is_refuse
         "forge: error: [optimizer] name = 'adamw': unknown optimizer 'adamw'.\n"
         "Available optimizers: (none).\n"
         "These installed plugins are not loaded and might provide it:\n"
-        f"  plugin 'core.optimizers' (forge-lm {FORGE_VERSION}) is installed but disabled ({BLOCKED}); "
-        "enable it to use its components.\n"
+        f"  plugin 'core.optimizers' (forge-lm {FORGE_VERSION}) is installed but disabled: {BLOCKED}. "
+        "Enable it to use its components.\n"
     )
 
 
@@ -325,8 +325,8 @@ def test_block_plugin_flag_on_a_builtin_makes_a_config_using_its_component_fail(
 
     assert result.returncode == 2
     assert (
-        f"plugin 'core.optimizers' (forge-lm {FORGE_VERSION}) is installed but disabled ({BLOCKED}); "
-        "enable it to use its components."
+        f"plugin 'core.optimizers' (forge-lm {FORGE_VERSION}) is installed but disabled: {BLOCKED}. "
+        "Enable it to use its components."
     ) in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -354,4 +354,4 @@ def test_plugin_switch_after_the_config_command_works_as_before_it(forge_cli):
 
     assert result.returncode == 2
     assert "unknown section" not in result.stderr
-    assert f"is installed but disabled ({BLOCKED})" in result.stderr
+    assert f"is installed but disabled: {BLOCKED}." in result.stderr

@@ -149,3 +149,18 @@ def test_plugin_declaring_an_empty_range_is_incompatible(install_plugin, load_pl
     assert plugin.status is PluginStatus.INCOMPATIBLE
     assert "FORGE_LM_PLUGIN_API" in plugin.reason
     assert "'>=1,<2'" in plugin.reason or '">=1,<2"' in plugin.reason
+
+
+def test_incompatible_copy_of_a_name_does_not_make_the_compatible_one_ambiguous(install_plugin, load_plugins):
+    install_plugin(
+        "forge-oldopt",
+        """
+        @hookimpl
+        def forge_lm_register_optimizers(register):
+            register("adamw", "forge_oldopt:build", description="An old AdamW")
+        """,
+        api='">=0.1,<1"',
+    )
+    manager = load_plugins("oldopt")
+    assert manager.plugin("oldopt").status == "incompatible"
+    assert manager.registry.resolve("optimizers", "adamw").plugin.distribution == "forge-lm"

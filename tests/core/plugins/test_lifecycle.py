@@ -7,7 +7,7 @@ import types
 import pytest
 
 from forge_lm import hookimpl
-from forge_lm.errors import ConfigError
+from forge_lm.errors import ConfigError, PluginError
 from forge_lm.plugins import BUILTIN_PLUGINS, PluginManager, PluginSettings, PluginStatus
 
 
@@ -251,4 +251,21 @@ def test_added_module_records_its_module_name(manager):
         "my_local_plugin",
         "<local>",
         "0",
+    )
+
+
+def test_plugin_crashing_in_configure_is_reported_as_a_plugin_error_naming_it(manager):
+    module = module_plugin(
+        "crashing_plugin",
+        "@hookimpl\ndef forge_lm_configure(config):\n    return config.no_such_section\n",
+    )
+    manager.add_plugin(module, "crashing", distribution="forge-crashing", version="2.0")
+
+    with pytest.raises(PluginError) as caught:
+        manager.configure(object())
+
+    assert str(caught.value) == (
+        "plugin 'crashing' (forge-crashing 2.0) failed while checking the config: AttributeError: "
+        "'object' object has no attribute 'no_such_section'. This is a bug in the plugin: report it to its "
+        "authors, or run without it (--block-plugin crashing)."
     )

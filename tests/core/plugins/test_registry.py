@@ -199,7 +199,7 @@ def test_unknown_name_in_an_empty_category_says_none_are_available(builtins_only
             "feed_forwards",
             "moe",
             "forge-moe",
-            "unknown feed-forward layer 'moe'.\nAvailable feed forwards: (none).\n",
+            "unknown feed-forward layer 'moe'.\nAvailable feed-forward layers: (none).\n",
             id="feed-forward-moe",
         ),
         pytest.param(
@@ -230,8 +230,8 @@ def test_known_name_whose_plugin_is_blocked_says_the_installed_plugin_is_disable
         "unknown optimizer 'muon'.\n"
         "Available optimizers: 'adamw'.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' (forge-lm {FORGE_VERSION}).\n"
-        f"plugin 'muon' (forge-optim-muon {MUON_VERSION}) is installed but disabled "
-        "(blocked by FORGE_LM_BLOCK_PLUGINS or --block-plugin); enable it to use its components."
+        f"plugin 'muon' (forge-optim-muon {MUON_VERSION}) is installed but disabled: "
+        "blocked by FORGE_LM_BLOCK_PLUGINS or --block-plugin. Enable it to use its components."
     )
 
 
@@ -269,7 +269,7 @@ def test_known_name_missing_from_an_installed_working_plugin_says_to_upgrade_it(
         "unknown metrics backend 'wandb'.\n"
         "Available metrics backends: 'console', 'jsonl'.\n"
         f"Installed plugins offering metrics backends: plugin 'core.metrics' (forge-lm {FORGE_VERSION}).\n"
-        "plugin 'wandb' (forge-wandb 0.0.1) is installed but does not provide it; upgrade it: "
+        "plugin 'wandb' (forge-wandb 0.0.1) is installed but does not provide it; a newer release may: "
         "pip install --upgrade forge-wandb"
     )
 
@@ -295,8 +295,8 @@ def test_unknown_name_lists_installed_plugins_that_are_not_loaded(install_plugin
         "or remove it (pip uninstall forge-broken).\n"
     ) in message
     assert (
-        "\n  plugin 'off' (forge-off 1.0) is installed but disabled "
-        "(blocked by FORGE_LM_BLOCK_PLUGINS or --block-plugin); enable it to use its components."
+        "\n  plugin 'off' (forge-off 1.0) is installed but disabled: "
+        "blocked by FORGE_LM_BLOCK_PLUGINS or --block-plugin. Enable it to use its components."
     ) in message
 
 
@@ -427,3 +427,9 @@ def test_registered_options_class_is_kept_for_config_validation(install_plugin, 
     options_class = load_plugins("fake").registry.resolve("optimizers", "lion").options_class
 
     assert [f.name for f in attrs.fields(options_class)] == ["lr", "beta"]
+
+
+def test_unknown_category_that_is_a_prefix_of_a_real_one_gets_a_suggestion(manager):
+    with pytest.raises(PluginError) as caught:
+        manager.registry.names("metric")
+    assert str(caught.value).startswith("unknown component category 'metric'. Did you mean 'metrics_backends'?")

@@ -176,8 +176,8 @@ def test_blocked_builtin_registers_nothing_and_resolving_its_component_says_it_i
         "unknown optimizer 'adamw'.\n"
         "Available optimizers: (none).\n"
         "These installed plugins are not loaded and might provide it:\n"
-        f"  plugin 'core.optimizers' (forge-lm {FORGE_VERSION}) is installed but disabled "
-        f"({BLOCKED}); enable it to use its components."
+        f"  plugin 'core.optimizers' (forge-lm {FORGE_VERSION}) is installed but disabled: "
+        f"{BLOCKED}. Enable it to use its components."
     )
 
 

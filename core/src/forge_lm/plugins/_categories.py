@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from forge_lm.errors import PluginError, did_you_mean, quoted_list
 
-# category -> the singular noun used in messages
-CATEGORIES: dict[str, str] = {
-    "optimizers": "optimizer",
-    "schedulers": "scheduler",
-    "losses": "loss",
-    "datasets": "dataset",
-    "metrics_backends": "metrics backend",
-    "tokenizers": "tokenizer",
-    "feed_forwards": "feed-forward layer",
-    "routers": "router",
-    "model_transforms": "model transform",
+# category -> (singular, plural) nouns used in messages
+CATEGORIES: dict[str, tuple[str, str]] = {
+    "optimizers": ("optimizer", "optimizers"),
+    "schedulers": ("scheduler", "schedulers"),
+    "losses": ("loss", "losses"),
+    "datasets": ("dataset", "datasets"),
+    "metrics_backends": ("metrics backend", "metrics backends"),
+    "tokenizers": ("tokenizer", "tokenizers"),
+    "feed_forwards": ("feed-forward layer", "feed-forward layers"),
+    "routers": ("router", "routers"),
+    "model_transforms": ("model transform", "model transforms"),
 }
 
 
@@ -33,4 +33,8 @@ def check_category(category: str) -> str:
 
 
 def singular(category: str) -> str:
-    return CATEGORIES[category]
+    return CATEGORIES[category][0]
+
+
+def plural(category: str) -> str:
+    return CATEGORIES[category][1]

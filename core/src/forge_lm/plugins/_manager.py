@@ -14,6 +14,8 @@ import importlib
 import importlib.metadata
 import inspect
 import json
+import types
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +26,7 @@ from forge_lm import hookspecs
 from forge_lm.errors import ForgeError, PluginError, did_you_mean
 from forge_lm.hookspecs import PROJECT_NAME
 from forge_lm.plugins._api import API_ATTRIBUTE, api_incompatibility
-from forge_lm.plugins._categories import CATEGORIES, registration_hook
+from forge_lm.plugins._categories import CATEGORIES, registration_hook, singular
 from forge_lm.plugins._model import Component, PluginInfo, PluginStatus, check_component_name
 from forge_lm.plugins._registry import Registry
 from forge_lm.plugins._settings import PluginSettings
@@ -214,7 +216,7 @@ class PluginManager:
             key = (component.category, component.name)
             problem = self.registry.conflicts(component)
             if key in seen:
-                problem = f"registers {CATEGORIES[key[0]]} '{key[1]}' twice"
+                problem = f"registers {singular(key[0])} '{key[1]}' twice"
             if problem:
                 raise _PluginFailure(problem)
             seen.add(key)
@@ -310,7 +312,7 @@ def _make_component(
         check_component_name(name)
     except PluginError as exc:
         raise _PluginFailure(str(exc)) from exc
-    what = f"{CATEGORIES[category]} '{name}'"
+    what = f"{singular(category)} '{name}'"
     if isinstance(factory, str):
         module, sep, attribute = factory.partition(":")
         if not (module and sep and attribute):
@@ -321,9 +323,32 @@ def _make_component(
         config = NoOptions
     if not (isinstance(config, type) and attrs.has(config)):
         raise _PluginFailure(f"{what}: config must be an attrs class, got {config!r}")
+    _check_optional_defaults(what, config)
     if not isinstance(description, str) or not description.strip() or "\n" in description.strip():
         raise _PluginFailure(f"{what}: description must be one non-empty line")
     return Component(category, name, factory, config, description.strip(), info)
+
+
+def _check_optional_defaults(what: str, config: type) -> None:
+    """An option that may be None must default to None.
+
+    TOML has no null: a config file cannot set such an option to None, and a dumped config
+    omits None values, so a non-None default would silently come back on reload.
+    """
+    try:
+        fields = attrs.fields(attrs.resolve_types(config))
+    except Exception as exc:  # unresolvable annotations are the plugin's bug, reported as such
+        raise _PluginFailure(f"{what}: options class {config.__name__} has unresolvable type hints: {exc}") from exc
+    for field in fields:
+        optional = typing.get_origin(field.type) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
+            field.type
+        )
+        default = field.default.factory() if isinstance(field.default, attrs.Factory) else field.default
+        if optional and default is not None and default is not attrs.NOTHING:
+            raise _PluginFailure(
+                f"{what}: option '{field.name}' may be None but defaults to {default!r}; a TOML config cannot "
+                "write None, so default it to None (meaning 'derive it') or make it non-optional"
+            )
 
 
 def core_version() -> str:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from packaging.utils import canonicalize_name
 
 from forge_lm.errors import PluginError, did_you_mean, quoted_list
-from forge_lm.plugins._categories import CATEGORIES, check_category, singular
+from forge_lm.plugins._categories import CATEGORIES, check_category, plural, singular
 from forge_lm.plugins._hints import known_provider
 from forge_lm.plugins._model import Component, PluginInfo, PluginStatus
 
@@ -76,6 +76,9 @@ class Registry:
                     f"provided by {_providers_text(candidates)}."
                 )
             candidates = chosen
+        usable = [c for c in candidates if c.plugin.status is PluginStatus.OK]
+        if len(candidates) > 1 and len(usable) == 1:
+            candidates = usable  # an incompatible plugin's copy of a name does not make it ambiguous
         if len(candidates) > 1:
             choices = " or ".join(f'name = "{c.qualified_name}"' for c in candidates)
             raise PluginError(
@@ -94,10 +97,10 @@ class Registry:
         noun = singular(category)
         names = self.names(category)
         lines = [f"unknown {noun} '{name}'.{did_you_mean(name, names)}"]
-        lines.append(f"Available {category.replace('_', ' ')}: {quoted_list(names)}.")
+        lines.append(f"Available {plural(category)}: {quoted_list(names)}.")
         offering = sorted({c.plugin.label for c in self.components(category)})
         if offering:
-            lines.append(f"Installed plugins offering {category.replace('_', ' ')}: {', '.join(offering)}.")
+            lines.append(f"Installed plugins offering {plural(category)}: {', '.join(offering)}.")
         package = known_provider(category, name)
         unusable = [p for p in self._plugins if p.status in (PluginStatus.BROKEN, PluginStatus.DISABLED)]
         if package:
@@ -109,7 +112,7 @@ class Registry:
                     lines.append(_unusable_text(plugin))
                 else:
                     lines.append(
-                        f"{plugin.label} is installed but does not provide it; upgrade it: "
+                        f"{plugin.label} is installed but does not provide it; a newer release may: "
                         f"pip install --upgrade {package}"
                     )
         elif unusable:
@@ -124,7 +127,7 @@ def _providers_text(components: Sequence[Component]) -> str:
 
 def _unusable_text(plugin: PluginInfo) -> str:
     if plugin.status is PluginStatus.DISABLED:
-        return f"{plugin.label} is installed but disabled ({plugin.reason}); enable it to use its components."
+        return f"{plugin.label} is installed but disabled: {plugin.reason}. Enable it to use its components."
     return (
         f"{plugin.label} is installed but broken: {plugin.reason}. Fix: reinstall it with its "
         f"dependencies (pip install --force-reinstall {plugin.distribution}) or remove it "
