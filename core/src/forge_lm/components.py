@@ -29,6 +29,9 @@ class DataContext:
     dp_rank: int = 0  # this process's index among data-parallel ranks
     dp_size: int = 1  # data-parallel ranks: each must get a distinct slice of the data
     seed: int = 0
+    split: str = "train"  # "train", or "eval" for the held-out split the dataset defines
+    tokenizer: Any = None  # a Tokenizer, for datasets that read text
+    registry: Any = None  # the component registry, for datasets that compose others (a mixture)
 
 
 @attrs.frozen
@@ -37,6 +40,7 @@ class MetricsContext:
 
     run_dir: Path
     run_name: str = "forge"
+    total_steps: int = 0  # the run's max_steps, for progress displays (0: unknown)
 
 
 @attrs.define

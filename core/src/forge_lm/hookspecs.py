@@ -49,7 +49,9 @@ def forge_lm_register_optimizers(register: Any) -> None:
     """Register optimizers. Factory: ``factory(options, model) -> torch.optim.Optimizer``.
 
     ``model`` is the ``torch.nn.Module`` being trained; the optimizer chooses its parameter
-    groups from it (names and module types tell a parameter's role).
+    groups from it (names and module types tell a parameter's role). An optimizer that keeps
+    a separate evaluation point (schedule-free) defines ``train()`` and ``eval()``; the loop
+    calls ``eval()`` before evaluating and ``train()`` after.
     """
 
 
@@ -106,7 +108,18 @@ def forge_lm_register_feed_forwards(register: Any) -> None:
     """Register feed-forward layers for the transformer blocks.
 
     Factory: ``factory(options, dim, layer_index) -> torch.nn.Module`` mapping
-    ``[batch, seq, dim]`` to the same shape. The model config chooses one per layer.
+    ``[batch, seq, dim]`` to the same shape. ``[model.ffn]`` chooses the component; its
+    factory sees the layer index, so it can build a different layer per index (MoE every
+    n-th layer). The module may define:
+
+    - ``init_weights(std, residual_std)``: called by the model instead of its default init
+      (every ``nn.Linear`` drawn from ``normal(0, std)``); ``residual_std`` is for the
+      projection that writes into the residual stream.
+    - ``active_parameter_count() -> int``: the parameters one token uses (MFU counts these
+      instead of walking the module's children), for layers that use only part of their
+      weights per token.
+
+    Auxiliary losses go through :func:`forge_lm.losses.aux.report_aux_loss`.
     """
 
 

@@ -11,6 +11,7 @@ import attrs
 import pytest
 
 from forge_lm.config import ComponentConfig, ForgeConfig
+from forge_lm.default_plugins.feed_forwards import SwiGLUOptions
 from forge_lm.default_plugins.metrics import ConsoleOptions, JsonlOptions
 from forge_lm.default_plugins.optimizers import AdamWOptions
 from forge_lm.errors import ConfigError
@@ -88,6 +89,41 @@ def test_a_component_without_options_gets_a_no_options_object(load):
 def test_a_component_may_be_selected_by_its_qualified_distribution_name(load):
     assert load(None, "--optimizer.name=forge-lm:adamw", "--optimizer.lr=0.01").optimizer == ComponentConfig(
         "forge-lm:adamw", AdamWOptions(lr=0.01)
+    )
+
+
+# -- a component section inside a section: [model.ffn] ---------------------------------------
+
+
+def test_the_feed_forward_layer_defaults_to_swiglu_with_its_default_options(load):
+    assert load().model.ffn == ComponentConfig("swiglu", SwiGLUOptions())
+
+
+def test_an_override_of_a_feed_forward_option_reaches_the_swiglu_options(load):
+    ffn = load(None, "--model.ffn.hidden_multiplier=3").model.ffn
+    assert ffn == ComponentConfig("swiglu", SwiGLUOptions(hidden_multiplier=3.0))
+    assert type(ffn.options.hidden_multiplier) is float
+
+
+def test_a_file_model_ffn_table_and_an_override_of_another_model_key_merge(load):
+    model = load(
+        """
+        [model]
+        dim = 512
+
+        [model.ffn]
+        name = "swiglu"
+        multiple_of = 128
+        """,
+        "--model.ffn.hidden_multiplier=4",
+    ).model
+    assert (model.dim, model.ffn) == (512, ComponentConfig("swiglu", SwiGLUOptions(4.0, 128)))
+
+
+def test_an_unknown_key_in_model_ffn_names_the_feed_forward_layer_and_its_keys(error):
+    assert error(None, "--model.ffn.hidden_mult=3") == (
+        "[model.ffn] hidden_mult: unknown key for feed-forward layer 'swiglu'. Did you mean 'hidden_multiplier'? "
+        "Valid keys: 'hidden_multiplier', 'multiple_of'."
     )
 
 
@@ -302,7 +338,7 @@ def test_a_table_for_a_plugin_backend_that_is_not_selected_is_an_error(with_csv,
 
 def test_a_table_named_after_no_registered_backend_is_an_unknown_key_of_metrics(error):
     assert error("[metrics.wandb]\nproject = 'x'\n") == (
-        "[metrics] wandb: unknown key. Valid keys: 'backends', 'interval'."
+        "[metrics] wandb: unknown key. Valid keys: 'backends', 'log_interval', 'peak_flops'."
     )
 
 

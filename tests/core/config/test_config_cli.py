@@ -27,8 +27,8 @@ FORGE_LM_PLUGIN_API = ">=1,<2"
 
 @hookimpl
 def forge_lm_configure(config):
-    if config.train.steps > 1000:
-        raise ConfigError(f"[train] steps: the strict plugin allows at most 1000, got {config.train.steps}.")
+    if config.train.max_steps > 1000:
+        raise ConfigError(f"[train] max_steps: the strict plugin allows at most 1000, got {config.train.max_steps}.")
 """
 
 
@@ -83,20 +83,20 @@ def test_show_prints_toml_with_the_file_and_the_override_applied(forge_cli, writ
 
 def test_show_prints_exactly_the_dump_of_the_resolved_config(forge_cli, write_toml):
     path = write_toml(RUN_TOML)
-    result = forge_cli("config", "show", str(path), "--train.steps=7")
-    expected = to_toml(load_config(path, ["--train.steps=7"], PluginManager(PluginSettings()).registry))
+    result = forge_cli("config", "show", str(path), "--train.max_steps=7")
+    expected = to_toml(load_config(path, ["--train.max_steps=7"], PluginManager(PluginSettings()).registry))
     assert (result.returncode, result.stdout) == (0, expected)
 
 
 def test_a_plugins_configure_hook_rejection_makes_validate_exit_2(forge_cli, fake_site):
     fake_site.install("forge-strict", STRICT_PLUGIN)
-    rejected = forge_cli("config", "validate", "--train.steps=5000")
+    rejected = forge_cli("config", "validate", "--train.max_steps=5000")
     assert (rejected.returncode, rejected.stdout, rejected.stderr) == (
         2,
         "",
-        "forge: error: [train] steps: the strict plugin allows at most 1000, got 5000.\n",
+        "forge: error: [train] max_steps: the strict plugin allows at most 1000, got 5000.\n",
     )
-    accepted = forge_cli("config", "validate", "--train.steps=500")
+    accepted = forge_cli("config", "validate", "--train.max_steps=500")
     assert (accepted.returncode, accepted.stdout) == (0, "the default config is valid.\n")
 
 
@@ -186,6 +186,6 @@ def test_a_missing_config_file_exits_2_naming_it(capsys, tmp_path):
 
 def test_a_config_file_that_is_not_utf8_exits_2_naming_it(capsys, tmp_path):
     path = tmp_path / "latin1.toml"
-    path.write_bytes('[run]\nname = "caf\u00e9"\n'.encode("latin-1"))
+    path.write_bytes('[train]\noutput_dir = "caf\u00e9"\n'.encode("latin-1"))
     assert main(["config", "validate", str(path)]) == 2
     assert capsys.readouterr().err.startswith(f"forge: error: config file '{path}' ")

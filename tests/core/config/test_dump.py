@@ -29,11 +29,6 @@ def reload(config, registry):
 
 
 NON_DEFAULT_TOML = """
-[run]
-name = "café run"
-output_dir = "/tmp/runs"
-seed = 7
-
 [model]
 dim = 512
 n_layers = 6
@@ -41,11 +36,28 @@ n_heads = 8
 n_kv_heads = 2
 vocab_size = 32000
 max_seq_len = 4096
+rope_theta = 500000.0
+norm = "layernorm"
+norm_eps = 1e-6
+qk_norm = true
+tie_embeddings = false
+init_std = 0.01
+
+[model.ffn]
+hidden_multiplier = 3.5
+multiple_of = 128
 
 [train]
-steps = 1000
-batch_size = 16
+output_dir = "/tmp/runs/café run"
+seed = 7
+max_steps = 1000
+batch_size = 8
 seq_len = 1024
+grad_accum_steps = 4
+grad_clip = 0.5
+device = "cpu"
+precision = "bf16"
+compile = true
 
 [optimizer]
 name = "forge-lm:adamw"
@@ -57,8 +69,16 @@ decay_embeddings = true
 name = "constant"
 warmup_steps = 50
 
+[eval]
+interval = 50
+steps = 8
+
+[checkpoint]
+interval = 250
+
 [metrics]
-interval = 5
+log_interval = 5
+peak_flops = 1e15
 backends = ["jsonl", "console"]
 
 [metrics.jsonl]
@@ -101,6 +121,7 @@ def test_unset_optional_values_are_left_out_of_the_dump(load):
     model = to_data(load())["model"]
     assert "n_kv_heads" not in model
     assert "vocab_size" not in model
+    assert "peak_flops" not in to_data(load())["metrics"]
     assert "n_kv_heads = " not in to_toml(load())
 
 
@@ -112,6 +133,13 @@ def test_set_optional_values_are_written(load):
         "n_kv_heads": 2,
         "vocab_size": 1000,
         "max_seq_len": 2048,
+        "rope_theta": 10000.0,
+        "norm": "rmsnorm",
+        "norm_eps": 1e-5,
+        "qk_norm": False,
+        "tie_embeddings": True,
+        "init_std": 0.02,
+        "ffn": {"name": "swiglu", "hidden_multiplier": 8 / 3, "multiple_of": 64},
     }
 
 
@@ -131,7 +159,7 @@ def test_component_sections_dump_as_name_then_options(load):
 
 def test_metrics_backends_dump_as_a_name_list_and_one_table_per_backend_with_options(load):
     assert to_data(load(None, '--metrics.backends=["forge-lm:jsonl", "console"]'))["metrics"] == {
-        "interval": 10,
+        "log_interval": 10,
         "backends": ["forge-lm:jsonl", "console"],
         "jsonl": {"filename": "metrics.jsonl"},
         "console": {"digits": 4},
@@ -140,15 +168,26 @@ def test_metrics_backends_dump_as_a_name_list_and_one_table_per_backend_with_opt
 
 def test_the_dump_is_toml_with_one_table_per_section(load):
     parsed = tomllib.loads(to_toml(load()))
-    assert list(parsed) == ["run", "model", "train", "tokenizer", "data", "optimizer", "scheduler", "loss", "metrics"]
+    assert list(parsed) == [
+        "model",
+        "train",
+        "tokenizer",
+        "data",
+        "optimizer",
+        "scheduler",
+        "loss",
+        "eval",
+        "checkpoint",
+        "metrics",
+    ]
     assert parsed["optimizer"]["betas"] == [0.9, 0.95]
 
 
 @pytest.mark.parametrize("name", ["123", "true", 'with "quotes"', "naïve\tname"])
 def test_string_values_that_look_like_other_types_round_trip_as_strings(load, builtins, name):
-    config = load(None, f"--run.name={name}")
+    config = load(None, f"--train.output_dir={name}")
     reloaded = reload(config, builtins.registry)
-    assert (reloaded.run.name, type(reloaded.run.name)) == (name, str)
+    assert (reloaded.train.output_dir, type(reloaded.train.output_dir)) == (name, str)
 
 
 def test_a_component_selected_by_qualified_name_dumps_that_name(load):

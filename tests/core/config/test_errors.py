@@ -11,6 +11,10 @@ from forge_lm.errors import ConfigError, UsageError
 from forge_lm.plugins import PluginManager, PluginSettings, core_version
 
 CORE = f"forge-lm {core_version()}"
+TRAIN_KEYS = (
+    "Valid keys: 'batch_size', 'compile', 'device', 'grad_accum_steps', 'grad_clip', 'max_steps', 'output_dir', "
+    "'precision', 'seed', 'seq_len'"
+)
 
 # -- unknown keys and sections ----------------------------------------------------------------
 
@@ -18,21 +22,26 @@ CORE = f"forge-lm {core_version()}"
 def test_an_unknown_key_suggests_the_close_one_and_lists_the_valid_keys(error):
     assert error("[model]\nn_head = 8\n") == (
         "[model] n_head: unknown key. Did you mean 'n_heads'? "
-        "Valid keys: 'dim', 'max_seq_len', 'n_heads', 'n_kv_heads', 'n_layers', 'vocab_size'."
+        "Valid keys: 'dim', 'ffn', 'init_std', 'max_seq_len', 'n_heads', 'n_kv_heads', 'n_layers', 'norm', "
+        "'norm_eps', 'qk_norm', 'rope_theta', 'tie_embeddings', 'vocab_size'."
     )
 
 
 def test_an_unknown_key_with_nothing_close_lists_the_valid_keys_only(error):
-    assert error("[run]\ncolour = 1\n") == "[run] colour: unknown key. Valid keys: 'name', 'output_dir', 'seed'."
+    assert error("[checkpoint]\ncolour = 1\n") == "[checkpoint] colour: unknown key. Valid keys: 'interval'."
 
 
 def test_an_unknown_key_given_as_an_override_is_reported_the_same_way(error):
-    assert error(None, "--train.step=3") == (
-        "[train] step: unknown key. Did you mean 'steps'? Valid keys: 'batch_size', 'seq_len', 'steps'."
-    )
+    assert error(None, "--train.step=3") == f"[train] step: unknown key. Did you mean 'max_steps'? {TRAIN_KEYS}."
 
 
-ALL_SECTIONS = "'data', 'loss', 'metrics', 'model', 'optimizer', 'run', 'scheduler', 'tokenizer', 'train'"
+def test_the_old_name_of_a_renamed_key_suggests_the_new_name(error):
+    assert error(None, "--train.steps=3") == f"[train] steps: unknown key. Did you mean 'max_steps'? {TRAIN_KEYS}."
+
+
+ALL_SECTIONS = (
+    "'checkpoint', 'data', 'eval', 'loss', 'metrics', 'model', 'optimizer', 'scheduler', 'tokenizer', 'train'"
+)
 
 
 def test_an_unknown_section_suggests_the_close_one_and_lists_the_sections(error):
@@ -88,7 +97,15 @@ def test_a_misspelt_name_key_of_a_component_section_suggests_name(error):
         (None, ("--model.n_heads=0",), "[model] n_heads: must be > 0, got 0."),
         (None, ("--model.n_kv_heads=0",), "[model] n_kv_heads: must be > 0, got 0."),
         (None, ("--train.batch_size=-8",), "[train] batch_size: must be > 0, got -8."),
-        (None, ("--metrics.interval=0",), "[metrics] interval: must be > 0, got 0."),
+        (None, ("--metrics.log_interval=0",), "[metrics] log_interval: must be > 0, got 0."),
+        (None, ("--metrics.peak_flops=0",), "[metrics] peak_flops: must be > 0, got 0.0."),
+        (None, ("--train.precision=fp16",), "[train] precision: must be one of 'auto', 'fp32', 'bf16', got 'fp16'."),
+        (None, ("--train.grad_clip=-1",), "[train] grad_clip: must be >= 0, got -1.0."),
+        (None, ("--train.grad_accum_steps=0",), "[train] grad_accum_steps: must be > 0, got 0."),
+        (None, ("--model.norm=batchnorm",), "[model] norm: must be one of 'rmsnorm', 'layernorm', got 'batchnorm'."),
+        (None, ("--model.ffn.multiple_of=0",), "[model.ffn] multiple_of: must be > 0, got 0."),
+        ("[eval]\ninterval = -1\n", (), "[eval] interval: must be >= 0, got -1."),
+        (None, ("--checkpoint.interval=-5",), "[checkpoint] interval: must be >= 0, got -5."),
         ("[metrics.console]\ndigits = 0\n", (), "[metrics.console] digits: must be > 0, got 0."),
     ],
 )
@@ -100,6 +117,17 @@ def test_n_kv_heads_not_dividing_n_heads_names_n_kv_heads(error):
     assert error(None, "--model.n_heads=8", "--model.n_kv_heads=3") == (
         "[model] n_kv_heads: n_heads (8) must be divisible by n_kv_heads (3)."
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (("--model.dim=24", "--model.n_heads=8"), "[model] n_heads: dim / n_heads = 3 must be even for RoPE."),
+        (("--model.dim=64", "--model.n_heads=64"), "[model] n_heads: dim / n_heads = 1 must be even for RoPE."),
+    ],
+)
+def test_an_odd_head_dim_names_n_heads_and_the_head_dim(error, overrides, expected):
+    assert error(None, *overrides) == expected
 
 
 def test_more_kv_heads_than_heads_is_an_error(error):
@@ -125,7 +153,7 @@ def test_train_seq_len_equal_to_max_seq_len_is_valid(load):
     ("toml", "overrides", "expected"),
     [
         ("model = 3\n", (), "[model] must be a table, got integer 3."),
-        ('run = "x"\n', (), "[run] must be a table, got string 'x'."),
+        ('train = "x"\n', (), "[train] must be a table, got string 'x'."),
         (None, ("--model=3",), "[model] must be a table, got '3'."),
         (None, ("--optimizer=adamw",), "[optimizer] must be a table with a 'name' key, got 'adamw'."),
         ('optimizer = "adamw"\n', (), "[optimizer] must be a table with a 'name' key, got string 'adamw'."),
@@ -198,7 +226,7 @@ def test_a_file_that_is_not_valid_toml_is_named_with_the_parsers_position(write_
 
 def test_a_file_that_is_not_utf8_is_a_config_error_naming_the_file(tmp_path):
     path = tmp_path / "latin1.toml"
-    path.write_bytes('[run]\nname = "caf\u00e9"\n'.encode("latin-1"))
+    path.write_bytes('[train]\noutput_dir = "caf\u00e9"\n'.encode("latin-1"))
     with pytest.raises(ConfigError) as info:
         read_toml(path)
     assert str(info.value).startswith(f"config file '{path}' is not valid TOML: ")
@@ -213,6 +241,14 @@ def test_an_unknown_component_names_section_and_key_suggests_and_lists_the_avail
         "[optimizer] name = 'adamx': unknown optimizer 'adamx'. Did you mean 'adamw'?\n"
         "Available optimizers: 'adamw'.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' ({CORE})."
+    )
+
+
+def test_an_unknown_feed_forward_layer_in_model_ffn_lists_the_available_ones(error):
+    assert error('[model.ffn]\nname = "nope"\n') == (
+        "[model.ffn] name = 'nope': unknown feed-forward layer 'nope'.\n"
+        "Available feed-forward layers: 'swiglu'.\n"
+        f"Installed plugins offering feed-forward layers: plugin 'core.feed_forwards' ({CORE})."
     )
 
 

@@ -10,33 +10,41 @@ import attrs
 
 from forge_lm.components import LearningRateOptions
 from forge_lm.config import (
+    CheckpointSection,
     CliValue,
     ComponentConfig,
+    EvalSection,
     ModelSection,
-    RunSection,
     TrainSection,
     merge,
     parse_overrides,
 )
+from forge_lm.default_plugins.datasets import PythonStdlibOptions
+from forge_lm.default_plugins.feed_forwards import SwiGLUOptions
 from forge_lm.default_plugins.metrics import ConsoleOptions, JsonlOptions
 from forge_lm.default_plugins.optimizers import AdamWOptions
 from forge_lm.default_plugins.schedulers import ConstantOptions, CosineOptions
 from forge_lm.plugins import NoOptions
+
+# The resolved default feed-forward layer: a schema default leaves its options unset (None).
+SWIGLU = ComponentConfig("swiglu", SwiGLUOptions())
 
 # -- defaults ---------------------------------------------------------------------------------
 
 
 def test_no_file_and_no_overrides_give_every_schema_default(load):
     config = load()
-    assert config.run == RunSection()
-    assert config.model == ModelSection()
+    assert config.model == ModelSection(ffn=SWIGLU)
     assert config.train == TrainSection()
     assert config.tokenizer == ComponentConfig("bytes", NoOptions())
-    assert config.data == ComponentConfig("synthetic", NoOptions())
+    assert config.data == ComponentConfig("python_stdlib", PythonStdlibOptions())
     assert config.optimizer == ComponentConfig("adamw", AdamWOptions())
     assert config.scheduler == ComponentConfig("cosine", CosineOptions())
     assert config.loss == ComponentConfig("cross_entropy", NoOptions())
-    assert config.metrics.interval == 10
+    assert config.eval == EvalSection()
+    assert config.checkpoint == CheckpointSection()
+    assert config.metrics.log_interval == 10
+    assert config.metrics.peak_flops is None
     assert config.metrics.backends == [
         ComponentConfig("console", ConsoleOptions()),
         ComponentConfig("jsonl", JsonlOptions()),
@@ -57,7 +65,7 @@ def test_a_file_key_replaces_its_default_and_leaves_the_other_keys_of_the_table_
         n_layers = 8
         """
     )
-    assert config.model == ModelSection(n_layers=8)
+    assert config.model == ModelSection(n_layers=8, ffn=SWIGLU)
 
 
 def test_a_file_with_options_but_no_name_keeps_the_default_component(load):
@@ -102,13 +110,13 @@ def test_an_override_may_set_a_section_the_file_does_not_have(load):
         [model]
         n_layers = 8
         """,
-        "--train.steps=7",
+        "--train.max_steps=7",
     )
-    assert (config.model.n_layers, config.train.steps) == (8, 7)
+    assert (config.model.n_layers, config.train.max_steps) == (8, 7)
 
 
 def test_the_last_of_repeated_overrides_of_one_key_wins(load):
-    assert load(None, "--train.steps=5", "--train.steps=9").train.steps == 9
+    assert load(None, "--train.max_steps=5", "--train.max_steps=9").train.max_steps == 9
 
 
 def test_an_override_reaches_into_a_metrics_backend_table_of_the_file(load):
@@ -129,7 +137,7 @@ def test_an_override_reaches_into_a_metrics_backend_table_of_the_file(load):
 
 
 def test_an_override_value_keeps_every_character_after_the_first_equals_sign(load):
-    assert load(None, "--run.name=a=b").run.name == "a=b"
+    assert load(None, "--train.output_dir=a=b").train.output_dir == "a=b"
 
 
 # -- switching a component --------------------------------------------------------------------
@@ -282,11 +290,11 @@ def test_the_cross_section_rule_sees_the_final_value_of_both_sections(load):
 
 def test_merge_layers_tables_key_by_key_and_replaces_other_values():
     base = {"model": {"n_heads": 4, "dim": 128}, "metrics": {"backends": ["console", "jsonl"]}}
-    top = {"model": {"n_heads": 8}, "metrics": {"backends": ["jsonl"]}, "train": {"steps": 3}}
+    top = {"model": {"n_heads": 8}, "metrics": {"backends": ["jsonl"]}, "train": {"max_steps": 3}}
     assert merge(base, top) == {
         "model": {"n_heads": 8, "dim": 128},
         "metrics": {"backends": ["jsonl"]},
-        "train": {"steps": 3},
+        "train": {"max_steps": 3},
     }
 
 
@@ -312,9 +320,9 @@ def test_each_key_of_one_table_comes_from_the_highest_layer_that_sets_it(load):
     train = load(
         """
         [train]
-        steps = 50
+        max_steps = 50
         batch_size = 4
         """,
         "--train.batch_size=2",
     ).train
-    assert train == TrainSection(steps=50, batch_size=2, seq_len=256)
+    assert train == TrainSection(max_steps=50, batch_size=2, seq_len=128)

@@ -17,12 +17,12 @@ from forge_lm.default_plugins.metrics import JsonlOptions
 
 @pytest.mark.parametrize(("text", "expected"), [("500", 500), ("1", 1), ("+7", 7)])
 def test_an_int_override_is_parsed_as_an_integer(load, text, expected):
-    steps = load(None, f"--train.steps={text}").train.steps
+    steps = load(None, f"--train.max_steps={text}").train.max_steps
     assert (steps, type(steps)) == (expected, int)
 
 
 def test_a_negative_int_override_reaches_a_field_without_a_bound(load):
-    assert load(None, "--run.seed=-3").run.seed == -3
+    assert load(None, "--train.seed=-3").train.seed == -3
 
 
 @pytest.mark.parametrize(("text", "expected"), [("1e-3", 1e-3), ("0.002", 0.002), ("2", 2.0), ("3E-4", 3e-4)])
@@ -53,8 +53,8 @@ def test_a_bool_override_accepts_the_usual_words_for_true_and_false(load, text, 
 
 @pytest.mark.parametrize("text", ["123", "true", "1e-3", "none", ""])
 def test_a_str_override_stays_the_exact_text_as_a_plain_string(load, text):
-    name = load(None, f"--run.name={text}").run.name
-    assert (name, type(name)) == (text, str)
+    output_dir = load(None, f"--train.output_dir={text}").train.output_dir
+    assert (output_dir, type(output_dir)) == (text, str)
 
 
 def test_a_tuple_override_is_a_toml_inline_array_typed_item_by_item(load):
@@ -143,7 +143,7 @@ def test_an_override_that_does_not_fit_its_field_type_names_section_key_and_the_
         ),
         ('[optimizer]\nbetas = "0.9"\n', "[optimizer] betas: expected an array, got string '0.9'."),
         ("[optimizer]\nbetas = [0.9]\n", "[optimizer] betas: expected an array of 2 items, got 1."),
-        ("[run]\nname = 3\n", "[run] name: expected a string, got integer 3."),
+        ("[train]\noutput_dir = 3\n", "[train] output_dir: expected a string, got integer 3."),
         ('[metrics]\nbackends = "console"\n', "[metrics] backends: expected an array, got string 'console'."),
         ("[optimizer]\nname = 5\n", "[optimizer] name: expected a string, got integer 5."),
     ],

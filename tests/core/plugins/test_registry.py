@@ -199,7 +199,10 @@ def test_unknown_name_in_an_empty_category_says_none_are_available(builtins_only
             "feed_forwards",
             "moe",
             "forge-moe",
-            "unknown feed-forward layer 'moe'.\nAvailable feed-forward layers: (none).\n",
+            "unknown feed-forward layer 'moe'.\n"
+            "Available feed-forward layers: 'swiglu'.\n"
+            "Installed plugins offering feed-forward layers: "
+            f"plugin 'core.feed_forwards' (forge-lm {FORGE_VERSION}).\n",
             id="feed-forward-moe",
         ),
         pytest.param(

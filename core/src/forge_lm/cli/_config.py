@@ -4,14 +4,39 @@ from __future__ import annotations
 
 import sys
 
-from forge_lm.config import load_config, to_toml
-from forge_lm.plugins import PluginManager
+HELP = "show or validate a run config"
+TAKES_OVERRIDES = True
+
+_ACTIONS = {
+    "show": "print the fully resolved config as TOML",
+    "validate": "check a config; exit 0 if valid, 2 if not",
+}
 
 
-def config_command(manager: PluginManager, action: str, path: str | None, overrides: list[str]) -> int:
+def add_arguments(parser) -> None:
+    from forge_lm.cli._main import _Parser, add_config_argument, add_plugin_switches
+
+    actions = parser.add_subparsers(dest="config_command", metavar="ACTION", parser_class=_Parser)
+    for action, text in _ACTIONS.items():
+        sub = actions.add_parser(
+            action, help=text, description=f"{text[0].upper()}{text[1:]}. Overrides: --section.key=value."
+        )
+        add_config_argument(sub)
+        add_plugin_switches(sub, after_command=True)
+
+
+def run(args, overrides, plugins) -> int:
+    from forge_lm.cli._main import checked_config_file
+    from forge_lm.config import load_config, to_toml
+    from forge_lm.errors import UsageError
+
+    if args.config_command is None:
+        raise UsageError("say what to do with the config: 'forge config show' or 'forge config validate'.")
+    path = checked_config_file(args.config_file)
+    manager = plugins()
     config = load_config(path, overrides, manager.registry)
     manager.configure(config)
-    if action == "show":
+    if args.config_command == "show":
         sys.stdout.write(to_toml(config))
     else:
         print(f"{path or 'the default config'} is valid.")

@@ -7,6 +7,21 @@ import shutil
 
 from forge_lm.plugins import CATEGORIES, PluginManager, PluginStatus
 
+HELP = "show installed plugins and their components"
+TAKES_OVERRIDES = False
+
+
+def add_arguments(parser) -> None:
+    from forge_lm.cli._main import add_plugin_switches
+
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    add_plugin_switches(parser, after_command=True)
+
+
+def run(args, overrides, plugins) -> int:
+    return list_plugins(plugins(), as_json=args.json)
+
+
 _STYLE = {
     PluginStatus.OK: "green",
     PluginStatus.BROKEN: "red",

@@ -1,12 +1,19 @@
-"""``forge``: the command line. Parses arguments, loads plugins only for commands that need
-them, and turns every :class:`ForgeError` into a one-paragraph message and exit code 2."""
+"""``forge``: the command line.
+
+Each command lives in its own module of this package (named in :data:`COMMANDS`) with
+``HELP``, ``TAKES_OVERRIDES``, ``add_arguments(parser)`` and ``run(args, overrides, plugins)``.
+Command modules import nothing heavy at the top, so ``forge --help`` stays fast; plugins load
+only when a command asks for them. Every :class:`ForgeError` becomes one message and exit 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from forge_lm.errors import USAGE_EXIT_CODE, ForgeError, UsageError
 from forge_lm.plugins import (
@@ -19,10 +26,31 @@ from forge_lm.plugins import (
     core_version,
 )
 
+COMMANDS: dict[str, str] = {
+    "train": "forge_lm.cli._train",
+    "generate": "forge_lm.cli._generate",
+    "prepare-data": "forge_lm.cli._prepare_data",
+    "export-hf": "forge_lm.cli._export_hf",
+    "plot": "forge_lm.cli._plot",
+    "list-plugins": "forge_lm.cli._list_plugins",
+    "config": "forge_lm.cli._config",
+}
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse's own usage errors, same shape as ours
         raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _command_modules() -> dict[str, object]:
+    modules = {}
+    for name, module in COMMANDS.items():
+        try:
+            modules[name] = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    return modules  # commands whose module is not there yet are simply absent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,30 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=version_text())
-    _add_plugin_switches(parser, after_command=False)
+    add_plugin_switches(parser, after_command=False)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-
-    listing = commands.add_parser("list-plugins", help="show installed plugins and their components")
-    listing.add_argument("--json", action="store_true", help="print JSON for scripts")
-    _add_plugin_switches(listing, after_command=True)
-
-    config = commands.add_parser("config", help="show or validate a run config")
-    config_commands = config.add_subparsers(dest="config_command", metavar="ACTION", parser_class=_Parser)
-    for action, text in (
-        ("show", "print the fully resolved config as TOML"),
-        ("validate", "check a config; exit 0 if valid, 2 if not"),
-    ):
-        sub = config_commands.add_parser(
-            action, help=text, description=f"{text[0].upper()}{text[1:]}. Overrides: --section.key=value."
-        )
-        sub.add_argument(
-            "config_file", nargs="?", metavar="CONFIG", help="TOML run config (default: built-in defaults)"
-        )
-        _add_plugin_switches(sub, after_command=True)
+    for name, module in _command_modules().items():
+        sub = commands.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False)
+        module.add_arguments(sub)
     return parser
 
 
-def _add_plugin_switches(parser: argparse.ArgumentParser, *, after_command: bool) -> None:
+def add_plugin_switches(parser: argparse.ArgumentParser, *, after_command: bool) -> None:
     """The plugin switches, accepted before the command and after it alike.
 
     After the command they default to "not given" (SUPPRESS), so they add to the switches
@@ -77,6 +90,20 @@ def _add_plugin_switches(parser: argparse.ArgumentParser, *, after_command: bool
     )
 
 
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    """The optional CONFIG file of commands that take a run config (and overrides)."""
+    parser.add_argument("config_file", nargs="?", metavar="CONFIG", help="TOML run config (default: built-in defaults)")
+
+
+def checked_config_file(path: str | None) -> str | None:
+    """``path``, unless it is an override missing its dashes (then a clear UsageError)."""
+    if path and "=" in path and not Path(path).exists():
+        from forge_lm.config import parse_overrides
+
+        parse_overrides([path])
+    return path
+
+
 def version_text() -> str:
     return f"forge {core_version()} (distribution forge-lm, plugin API {PLUGIN_API_VERSION})"
 
@@ -89,20 +116,26 @@ _OVERRIDE = re.compile(r"^--[A-Za-z_][\w-]*(\.[\w-]+)+=")
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     overrides = [arg for arg in args_in if _OVERRIDE.match(arg)]
-    parser = build_parser()
     try:
+        parser = build_parser()
         args, rest = parser.parse_known_args([arg for arg in args_in if not _OVERRIDE.match(arg)])
-        rest += overrides
         if args.command is None:
             parser.print_help()
             return 0
-        return _dispatch(parser, args, rest)
+        module = importlib.import_module(COMMANDS[args.command])
+        rest += overrides
+        stray = [arg for arg in rest if not (module.TAKES_OVERRIDES and arg.startswith("--") and "=" in arg)]
+        if stray:
+            hint = " Overrides look like --section.key=value." if module.TAKES_OVERRIDES else ""
+            raise UsageError(f"unrecognized arguments: {' '.join(stray)}.{hint}")
+        return module.run(args, rest, lambda: plugin_manager(args))
     except ForgeError as exc:
         print(f"forge: error: {exc}", file=sys.stderr)
         return USAGE_EXIT_CODE
 
 
-def _plugin_manager(args: argparse.Namespace) -> PluginManager:
+def plugin_manager(args: argparse.Namespace) -> PluginManager:
+    """The plugins, loaded with the environment's switches and the command line's."""
     settings = PluginSettings.from_env().with_cli(
         no_autoload=args.no_plugin_autoload,
         allow=args.plugins,
@@ -112,31 +145,6 @@ def _plugin_manager(args: argparse.Namespace) -> PluginManager:
     for warning in manager.warnings:
         print(f"forge: warning: {warning}", file=sys.stderr)
     return manager
-
-
-def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, rest: list[str]) -> int:
-    takes_overrides = args.command == "config"
-    stray = [arg for arg in rest if not (takes_overrides and arg.startswith("--") and "=" in arg)]
-    if stray:
-        hint = " Overrides look like --section.key=value." if takes_overrides else ""
-        raise UsageError(f"unrecognized arguments: {' '.join(stray)}.{hint}")
-    if args.command == "list-plugins":
-        from forge_lm.cli._list_plugins import list_plugins
-
-        return list_plugins(_plugin_manager(args), as_json=args.json)
-    if args.command == "config":
-        if args.config_command is None:
-            raise UsageError("say what to do with the config: 'forge config show' or 'forge config validate'.")
-        from pathlib import Path
-
-        from forge_lm.cli._config import config_command
-        from forge_lm.config import parse_overrides
-
-        if args.config_file and "=" in args.config_file and not Path(args.config_file).exists():
-            parse_overrides([args.config_file])
-
-        return config_command(_plugin_manager(args), args.config_command, args.config_file, rest)
-    raise UsageError(f"unknown command '{args.command}'")  # argparse rejects these first
 
 
 def run() -> None:

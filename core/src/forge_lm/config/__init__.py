@@ -11,25 +11,29 @@ from forge_lm.config._load import (
     structure_options,
 )
 from forge_lm.config._schema import (
+    CheckpointSection,
     ComponentConfig,
+    EvalSection,
     ForgeConfig,
     MetricsSection,
     ModelSection,
-    RunSection,
     TrainSection,
     component,
+    component_array,
     components,
 )
 
 __all__ = [
+    "CheckpointSection",
     "CliValue",
     "ComponentConfig",
+    "EvalSection",
     "ForgeConfig",
     "MetricsSection",
     "ModelSection",
-    "RunSection",
     "TrainSection",
     "component",
+    "component_array",
     "components",
     "converter",
     "load_config",

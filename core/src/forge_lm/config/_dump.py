@@ -8,7 +8,7 @@ import attrs
 import tomli_w
 
 from forge_lm.config._converter import converter
-from forge_lm.config._schema import CATEGORY, MANY, ComponentConfig
+from forge_lm.config._schema import ARRAY, CATEGORY, MANY, ComponentConfig
 
 
 def to_data(instance: Any) -> dict[str, Any]:
@@ -20,7 +20,9 @@ def to_data(instance: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for field in attrs.fields(type(instance)):
         value = getattr(instance, field.name)
-        if field.metadata.get(MANY):
+        if field.metadata.get(ARRAY):
+            out[field.name] = [{"name": c.name, **to_data(c.options)} for c in value]
+        elif field.metadata.get(MANY):
             out[field.name] = [c.name for c in value]
             for chosen in value:
                 options = to_data(chosen.options)

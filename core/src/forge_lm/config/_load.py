@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from forge_lm.config._converter import CliValue, converter, describe
-from forge_lm.config._schema import CATEGORY, MANY, ComponentConfig, ForgeConfig, check_cross_section
+from forge_lm.config._schema import ARRAY, CATEGORY, MANY, ComponentConfig, ForgeConfig, check_cross_section
 from forge_lm.errors import ConfigError, ForgeError, UsageError, did_you_mean, quoted_list
 from forge_lm.plugins import Registry
 from forge_lm.plugins._categories import singular
@@ -122,6 +122,9 @@ class _Walker:
         for field in fields:
             if field.name in values:
                 continue
+            if field.metadata.get(ARRAY):
+                values[field.name] = self._component_array(field, data.get(field.name, []), where)
+                continue
             if field.metadata.get(CATEGORY):
                 # Structured even when absent, so the default component is checked and gets options.
                 value = data.get(field.name, {})
@@ -178,7 +181,7 @@ class _Walker:
         if not isinstance(data, Mapping):
             raise ConfigError(f"[{where}] must be a table with a 'name' key, got {describe(data)}.")
         data = dict(data)
-        default = field.default.factory() if isinstance(field.default, attrs.Factory) else None
+        default = field.default.factory() if field is not None and isinstance(field.default, attrs.Factory) else None
         name = data.pop("name", default.name if default else None)
         if name is None:
             raise ConfigError(f"{_name(where, 'name')}: required; say which {singular(category)} to use.")
@@ -198,6 +201,16 @@ class _Walker:
         owner = f"{singular(category)} '{name}'"
         options = self.structure(found.options_class, data, where, owner=owner, also=also)
         return ComponentConfig(name, options)
+
+    def _component_array(self, field: Any, tables: Any, where: str) -> list[ComponentConfig]:
+        """An array of component tables, each selecting its component by ``name``."""
+        key_where = _join(where, field.name)
+        if not isinstance(tables, list) or not all(isinstance(t, Mapping) for t in tables):
+            raise ConfigError(f"{_name(where, field.name)}: expected an array of tables ([[{key_where}]]).")
+        return [
+            self._component(field.metadata[CATEGORY], table, f"{key_where}[{index}]", field=None)
+            for index, table in enumerate(tables)
+        ]
 
     def _component_list(self, field: Any, data: dict[str, Any], where: str) -> list[ComponentConfig]:
         """A component-list field: names in the field, each one's options in a sibling table."""

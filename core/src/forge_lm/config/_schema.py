@@ -17,10 +17,11 @@ from typing import Any
 
 import attrs
 
-from forge_lm.validators import FieldError, positive
+from forge_lm.validators import FieldError, non_negative, one_of, positive
 
 CATEGORY = "forge_lm.category"  # attrs field metadata: the component category of the field
 MANY = "forge_lm.many"  # attrs field metadata: the field selects a list of components
+ARRAY = "forge_lm.array"  # attrs field metadata: the field is an array of component tables
 
 
 @attrs.frozen
@@ -47,15 +48,14 @@ def components(category: str, default: tuple[str, ...], doc: str) -> Any:
     )
 
 
+def component_array(category: str, doc: str) -> Any:
+    """A config field holding an array of component tables (``[[data.sources]]``), each with
+    its own ``name`` and options; for components that compose others (a data mixture)."""
+    return attrs.field(factory=list, metadata={CATEGORY: category, ARRAY: True, "doc": doc})
+
+
 def _doc(text: str) -> dict[str, str]:
     return {"doc": text}
-
-
-@attrs.frozen
-class RunSection:
-    name: str = attrs.field(default="forge", metadata=_doc("Run name; the run directory is <output_dir>/<name>."))
-    output_dir: str = attrs.field(default="runs", metadata=_doc("Directory holding run directories."))
-    seed: int = attrs.field(default=0, metadata=_doc("Seed of every random generator the run uses."))
 
 
 @attrs.frozen
@@ -72,6 +72,17 @@ class ModelSection:
     max_seq_len: int = attrs.field(
         default=2048, validator=positive, metadata=_doc("Longest sequence the model accepts.")
     )
+    rope_theta: float = attrs.field(default=10000.0, validator=positive, metadata=_doc("RoPE base frequency."))
+    norm: str = attrs.field(
+        default="rmsnorm", validator=one_of("rmsnorm", "layernorm"), metadata=_doc("Normalisation layers.")
+    )
+    norm_eps: float = attrs.field(default=1e-5, validator=positive, metadata=_doc("Epsilon of every norm."))
+    qk_norm: bool = attrs.field(default=False, metadata=_doc("Normalise queries and keys per head before RoPE."))
+    tie_embeddings: bool = attrs.field(default=True, metadata=_doc("Output head shares the embedding matrix."))
+    init_std: float = attrs.field(
+        default=0.02, validator=positive, metadata=_doc("Init std; residual projections get init_std/sqrt(2*n_layers).")
+    )
+    ffn: ComponentConfig = component("feed_forwards", "swiglu", "Feed-forward layer; its factory sees the layer index.")
 
     def __attrs_post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -80,6 +91,8 @@ class ModelSection:
             raise FieldError(
                 "n_kv_heads", f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})"
             )
+        if self.head_dim % 2:
+            raise FieldError("n_heads", f"dim / n_heads = {self.head_dim} must be even for RoPE")
 
     @property
     def kv_heads(self) -> int:
@@ -92,14 +105,55 @@ class ModelSection:
 
 @attrs.frozen
 class TrainSection:
-    steps: int = attrs.field(default=100, validator=positive, metadata=_doc("Optimizer steps to run."))
-    batch_size: int = attrs.field(default=8, validator=positive, metadata=_doc("Sequences per optimizer step."))
-    seq_len: int = attrs.field(default=256, validator=positive, metadata=_doc("Tokens per training sequence."))
+    output_dir: str = attrs.field(
+        default="runs/default", metadata=_doc("The run directory: config, manifest, metrics, checkpoints.")
+    )
+    max_steps: int = attrs.field(default=300, validator=positive, metadata=_doc("Optimizer steps to run."))
+    seed: int = attrs.field(default=0, metadata=_doc("Seed of every random generator the run uses."))
+    batch_size: int = attrs.field(
+        default=16, validator=positive, metadata=_doc("Sequences per micro-batch (per data-parallel rank).")
+    )
+    seq_len: int = attrs.field(default=128, validator=positive, metadata=_doc("Tokens per training sequence."))
+    grad_accum_steps: int = attrs.field(
+        default=1, validator=positive, metadata=_doc("Micro-batches per optimizer step.")
+    )
+    grad_clip: float = attrs.field(
+        default=1.0, validator=non_negative, metadata=_doc("Clip the global gradient norm to this; 0 disables.")
+    )
+    device: str = attrs.field(default="auto", metadata=_doc("'auto' (CUDA if available), 'cpu', 'cuda' or 'cuda:N'."))
+    precision: str = attrs.field(
+        default="auto",
+        validator=one_of("auto", "fp32", "bf16"),
+        metadata=_doc("Autocast dtype; weights stay fp32. 'auto': bf16 on CUDA, fp32 on CPU."),
+    )
+    compile: bool = attrs.field(default=False, metadata=_doc("torch.compile the model."))
+
+
+@attrs.frozen
+class EvalSection:
+    interval: int = attrs.field(
+        default=100, validator=non_negative, metadata=_doc("Evaluate every this many steps (and at the end); 0 never.")
+    )
+    steps: int = attrs.field(default=4, validator=positive, metadata=_doc("Batches per evaluation."))
+
+
+@attrs.frozen
+class CheckpointSection:
+    interval: int = attrs.field(
+        default=0,
+        validator=non_negative,
+        metadata=_doc("Save every this many steps (and at the end); 0 at the end only."),
+    )
 
 
 @attrs.frozen
 class MetricsSection:
-    interval: int = attrs.field(default=10, validator=positive, metadata=_doc("Log every this many steps."))
+    log_interval: int = attrs.field(default=10, validator=positive, metadata=_doc("Log every this many steps."))
+    peak_flops: float | None = attrs.field(
+        default=None,
+        validator=positive,
+        metadata=_doc("Peak FLOP/s of one device for MFU; unset = known GPU table, or measured once on CPU."),
+    )
     backends: list[ComponentConfig] = components(
         "metrics_backends", ("console", "jsonl"), "Where metrics go; options in [metrics.<backend>]."
     )
@@ -109,14 +163,15 @@ class MetricsSection:
 class ForgeConfig:
     """A whole run: every section, fully resolved."""
 
-    run: RunSection = attrs.field(factory=RunSection)
     model: ModelSection = attrs.field(factory=ModelSection)
     train: TrainSection = attrs.field(factory=TrainSection)
     tokenizer: ComponentConfig = component("tokenizers", "bytes", "Text to token ids.")
-    data: ComponentConfig = component("datasets", "synthetic", "Training data.")
+    data: ComponentConfig = component("datasets", "python_stdlib", "Training (and held-out evaluation) data.")
     optimizer: ComponentConfig = component("optimizers", "adamw", "Optimizer.")
     scheduler: ComponentConfig = component("schedulers", "cosine", "Learning-rate schedule.")
     loss: ComponentConfig = component("losses", "cross_entropy", "Training loss.")
+    eval: EvalSection = attrs.field(factory=EvalSection)
+    checkpoint: CheckpointSection = attrs.field(factory=CheckpointSection)
     metrics: MetricsSection = attrs.field(factory=MetricsSection)
 
 

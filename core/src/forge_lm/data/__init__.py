@@ -1,0 +1,8 @@
+"""Training data: the built-in datasets, the sampler they share, and the batch loader.
+
+Every built-in text dataset packs documents into windows of ``seq_len + 1`` tokens
+(:mod:`forge_lm.data.packing`) and visits them through one deterministic sampler
+(:mod:`forge_lm.data.sampler`), so shuffling, data-parallel sharding and exact resumption
+work the same way for all of them. Nothing here is imported by ``import forge_lm.data``
+alone: each module loads its own (possibly heavy) dependencies.
+"""

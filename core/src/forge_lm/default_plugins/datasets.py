@@ -1,14 +1,114 @@
-"""Built-in datasets."""
+"""Built-in datasets and their options.
+
+Options classes live here (no torch, numpy or ``datasets`` import); each factory is named by
+a ``"module:function"`` string, imported only when the dataset is built.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import attrs
+
+from forge_lm.config import ComponentConfig, component_array
 from forge_lm.hookspecs import hookimpl
+from forge_lm.validators import FieldError, one_of, positive
 
 FORGE_LM_PLUGIN_API = ">=1,<2"
 
 
+def held_out_fraction(instance: Any, attribute: Any, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise FieldError(attribute.name, f"must be at least 0 and below 1, got {value!r}")
+
+
+def _eval_fraction(default: float) -> Any:
+    return attrs.field(default=default, validator=held_out_fraction)
+
+
+@attrs.define
+class PythonStdlibOptions:
+    eval_fraction: float = _eval_fraction(0.05)  # share of modules held out for the eval split
+
+
+@attrs.define
+class MemmapOptions:
+    path: str  # a .bin/.npy shard, a directory of shards, or a glob ("data/*.bin")
+    eval_fraction: float = _eval_fraction(0.01)  # share of windows held out, spread through the data
+
+
+@attrs.define
+class HfTextOptions:
+    path: str  # a file, a directory of files, or a glob ("corpus/**/*.jsonl")
+    format: str = attrs.field(default="text", validator=one_of("text", "json", "jsonl"))
+    text_field: str = "text"  # json/jsonl: the field holding each document's text
+    sample_by: str = attrs.field(  # text: one document per file, per paragraph or per line
+        default="document", validator=one_of("document", "paragraph", "line")
+    )
+    eval_fraction: float = _eval_fraction(0.01)  # share of documents held out
+    cache_dir: str | None = None  # the datasets library's cache; unset = its default
+
+
+def _check_weights(key: str, weights: list[float], count: int) -> None:
+    if len(weights) != count:
+        raise FieldError(key, f"has {len(weights)} weights for {count} sources; give one per [[data.sources]]")
+    if any(weight < 0 for weight in weights) or not any(weight > 0 for weight in weights):
+        raise FieldError(key, f"weights must be >= 0 with at least one > 0, got {weights}")
+
+
+@attrs.define
+class MixturePhase:
+    until_sample: int = attrs.field(validator=positive)  # these weights hold for samples [previous, until)
+    weights: list[float] = attrs.field(factory=list)
+
+
+@attrs.define
+class MixtureOptions:
+    sources: list[ComponentConfig] = component_array(
+        "datasets", "The mixed datasets: [[data.sources]] tables, each with its own name and options."
+    )
+    weights: list[float] = attrs.field(factory=list)  # one per source; empty = equal
+    temperature: float = attrs.field(default=1.0, validator=positive)  # p ~ weight ** (1 / temperature)
+    phases: list[MixturePhase] = attrs.field(factory=list)  # earlier weights; `weights` apply after the last
+
+    def __attrs_post_init__(self) -> None:
+        if not self.sources:
+            raise FieldError("sources", "a mixture needs at least one source: add [[data.sources]] tables")
+        if self.weights:
+            _check_weights("weights", self.weights, len(self.sources))
+        ends = [phase.until_sample for phase in self.phases]
+        if ends != sorted(set(ends)):
+            raise FieldError("phases", f"until_sample must increase from phase to phase, got {ends}")
+        for index, phase in enumerate(self.phases):
+            _check_weights(f"phases[{index}].weights", phase.weights, len(self.sources))
+
+
 @hookimpl
 def forge_lm_register_datasets(register):
+    register(
+        "python_stdlib",
+        "forge_lm.data.stdlib:build_python_stdlib",
+        config=PythonStdlibOptions,
+        description="Source of Python's own standard library as text: the default corpus, on every machine",
+    )
+    register(
+        "memmap",
+        "forge_lm.data.memmap:build_memmap",
+        config=MemmapOptions,
+        description="Pre-tokenized shards (.bin with .json metadata, or .npy), memory-mapped",
+    )
+    register(
+        "hf_text",
+        "forge_lm.data.hf_text:build_hf_text",
+        config=HfTextOptions,
+        description="Local text or JSON-lines files read with Hugging Face datasets (pip install forge-lm[hf])",
+    )
+    register(
+        "mixture",
+        "forge_lm.data.mixture:build_mixture",
+        config=MixtureOptions,
+        description="Samples from several datasets by (temperature-scaled, phased) weights",
+    )
     register(
         "synthetic",
         "forge_lm.data.synthetic:build_synthetic",

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+from pathlib import PurePath
+from typing import Any
+
 import attrs
 
 from forge_lm.hookspecs import hookimpl
-from forge_lm.validators import positive
+from forge_lm.validators import FieldError, positive
 
 FORGE_LM_PLUGIN_API = ">=1,<2"
+
+
+def _inside_the_run_directory(instance: Any, attribute: Any, value: str) -> None:
+    # Backends write only inside the run directory (the conformance kit checks it), so a
+    # folder option may not be absolute nor climb out with '..'.
+    path = PurePath(value)
+    if not value or path.is_absolute() or ".." in path.parts:
+        raise FieldError(
+            attribute.name, f"must be a folder inside the run directory, like 'tensorboard', got {value!r}"
+        )
 
 
 @attrs.define
@@ -20,17 +33,28 @@ class JsonlOptions:
     filename: str = "metrics.jsonl"  # inside the run directory
 
 
+@attrs.define
+class TensorboardOptions:
+    subdir: str = attrs.field(default="tensorboard", validator=_inside_the_run_directory)  # event files go here
+
+
 @hookimpl
 def forge_lm_register_metrics_backends(register):
     register(
         "console",
         "forge_lm.metrics.console:build_console",
         config=ConsoleOptions,
-        description="One line per logged step on standard output",
+        description="Live progress display on a terminal; one line per logged step otherwise",
     )
     register(
         "jsonl",
         "forge_lm.metrics.jsonl:build_jsonl",
         config=JsonlOptions,
         description="One JSON object per logged step, appended to a file in the run directory",
+    )
+    register(
+        "tensorboard",
+        "forge_lm.metrics.tensorboard:build_tensorboard",
+        config=TensorboardOptions,
+        description="TensorBoard scalars in the run directory (pip install forge-lm[tensorboard])",
     )

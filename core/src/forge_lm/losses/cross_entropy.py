@@ -1,17 +1,65 @@
-"""Next-token cross-entropy."""
+"""Next-token cross-entropy, with an optional z-loss.
+
+The z-loss (PaLM, Chowdhery et al. 2022) adds ``z_loss_weight * mean(logsumexp(logits)**2)``
+over the counted tokens. It pulls the softmax normaliser towards 1 (log 0), which keeps
+the logits from drifting to large magnitudes where bf16 loses precision, and it leaves the
+probabilities themselves unchanged. The unweighted mean is logged as ``loss/z``.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from forge_lm.components import IGNORE_INDEX
+from forge_lm.losses.aux import report_metric
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean over non-ignored positions; logits upcast to fp32 so bf16 runs keep precision."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` upcast to fp32 if narrower (bf16, fp16), so the loss keeps its precision."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def build_cross_entropy(options):
-    return cross_entropy
+def token_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums over the counted rows of ``[tokens, vocab]`` logits: cross-entropy and ``logsumexp**2``.
+
+    Computed in fp32 at least, whatever the logits' dtype.
+    """
+    logits = at_least_fp32(logits)
+    counted = labels != IGNORE_INDEX
+    log_z = torch.logsumexp(logits, dim=-1)
+    # Ignored labels (negative) would index out of range; their rows are masked out below.
+    picked = logits.gather(1, labels.clamp_min(0).unsqueeze(1)).squeeze(1)
+    zero = log_z.new_zeros(())
+    return torch.where(counted, log_z - picked, zero).sum(), torch.where(counted, log_z.square(), zero).sum()
+
+
+def combine(ce_sum: torch.Tensor, z_sum: torch.Tensor, count: torch.Tensor, z_loss_weight: float) -> torch.Tensor:
+    """The token mean of cross-entropy plus the weighted z-loss; logs the unweighted z-loss."""
+    if z_loss_weight == 0:
+        return ce_sum / count  # no z-loss, nothing to log (logging reads the value: a device sync)
+    z_mean = z_sum / count
+    report_metric("loss/z", z_mean)
+    return ce_sum / count + z_loss_weight * z_mean
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float = 0.0) -> torch.Tensor:
+    """Mean over non-ignored positions of ``[batch, seq, vocab]`` logits against ``[batch, seq]`` labels."""
+    flat_logits, flat_labels = logits.flatten(0, -2), labels.flatten()
+    if z_loss_weight == 0:
+        # Fused kernel; it keeps an fp32 [tokens, vocab] log-softmax for backward (see
+        # chunked_cross_entropy for a loss that does not).
+        return F.cross_entropy(at_least_fp32(flat_logits), flat_labels, ignore_index=IGNORE_INDEX)
+    ce_sum, z_sum = token_sums(flat_logits, flat_labels)
+    return combine(ce_sum, z_sum, (flat_labels != IGNORE_INDEX).sum(), z_loss_weight)
+
+
+def build_cross_entropy(options: Any) -> Any:
+    weight = options.z_loss_weight
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, labels, weight)
+
+    return loss_fn

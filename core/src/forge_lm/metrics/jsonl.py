@@ -35,9 +35,23 @@ class JsonlBackend:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Every record of a metrics file, in order."""
+    """Every record of a metrics file, in order.
+
+    A last line that is cut short (no newline, not JSON) is what a crash in the middle of a
+    write leaves, and is skipped. Any other line that is not JSON raises ValueError naming it.
+    """
+    records = []
     with Path(path).open(encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                if not line.endswith("\n"):
+                    break  # the line being written when the run stopped: nothing follows it
+                raise ValueError(f"{path}: line {number} is not valid JSON: {exc.msg}") from None
+    return records
 
 
 def build_jsonl(options, context: MetricsContext) -> JsonlBackend:

@@ -41,6 +41,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "core.datasets": "forge_lm.default_plugins.datasets",
     "core.metrics": "forge_lm.default_plugins.metrics",
     "core.tokenizers": "forge_lm.default_plugins.tokenizers",
+    "core.feed_forwards": "forge_lm.default_plugins.feed_forwards",
 }
 
 

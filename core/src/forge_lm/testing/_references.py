@@ -20,7 +20,19 @@ def cross_entropy_by_hand(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     return (log_z - picked).mean()
 
 
-LOSS_REFERENCES = {"cross_entropy": cross_entropy_by_hand}
+def cross_entropy_with_z_loss_by_hand(z_loss_weight: float):
+    """The reference of a cross-entropy with ``z_loss_weight``: adds ``weight * mean(log Z**2)``."""
+
+    def reference(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        flat_logits = logits.reshape(-1, logits.shape[-1]).double()
+        keep = labels.reshape(-1) != IGNORE_INDEX
+        log_z = flat_logits[keep].exp().sum(dim=-1).log()  # no max-shift: the kit's logits are small
+        return cross_entropy_by_hand(logits, labels) + z_loss_weight * log_z.square().mean()
+
+    return reference
+
+
+LOSS_REFERENCES = {"cross_entropy": cross_entropy_by_hand, "chunked_cross_entropy": cross_entropy_by_hand}
 
 
 def read_jsonl(run_dir: Path, output: str) -> list[tuple[int, dict[str, float]]]:
@@ -40,4 +52,11 @@ def read_console(run_dir: Path, output: str) -> list[tuple[int, dict[str, float]
     return recorded
 
 
-METRICS_READERS = {"jsonl": read_jsonl, "console": read_console}
+def read_tensorboard(run_dir: Path, output: str) -> list[tuple[int, dict[str, float]]]:
+    """The scalars of the default ``tensorboard`` subfolder, read with TensorBoard's EventAccumulator."""
+    from forge_lm.metrics.tensorboard import read_scalars
+
+    return read_scalars(run_dir / "tensorboard")
+
+
+METRICS_READERS = {"jsonl": read_jsonl, "console": read_console, "tensorboard": read_tensorboard}

@@ -1,0 +1,24 @@
+"""``forge export-hf RUN_OR_CHECKPOINT OUT_DIR``: write a checkpoint in Hugging Face Llama format."""
+
+from __future__ import annotations
+
+HELP = "export a checkpoint as a Hugging Face Llama model (config.json + model.safetensors)"
+TAKES_OVERRIDES = False
+
+
+def add_arguments(parser) -> None:
+    from forge_lm.cli._main import add_plugin_switches
+
+    parser.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT", help="a run directory or checkpoints/step_<N>")
+    parser.add_argument("output", metavar="OUT_DIR", help="directory to write the Hugging Face model into")
+    add_plugin_switches(parser, after_command=True)
+
+
+def run(args, overrides, plugins) -> int:
+    from forge_lm.checkpoint import load_for_inference
+    from forge_lm.model.hf import export_hf
+
+    model, config, tokenizer = load_for_inference(args.checkpoint, plugins())
+    export_hf(model, config.model, args.output, eos_id=tokenizer.eos_id)
+    print(f"wrote a Hugging Face Llama model to {args.output}")
+    return 0

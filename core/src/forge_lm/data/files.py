@@ -1,0 +1,40 @@
+"""Where a dataset's ``path`` option points: one file, a directory, or a glob pattern."""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Sequence
+from pathlib import Path
+
+from forge_lm.errors import ConfigError
+
+_GLOB_CHARACTERS = frozenset("*?[")
+
+
+def resolve_files(path: str, suffixes: Sequence[str], dataset: str) -> list[Path]:
+    """The files ``path`` names, sorted; only those ending in one of ``suffixes``.
+
+    A directory contributes the matching files directly inside it (not in sub-directories; a
+    glob such as ``data/**/*.bin`` reaches those). Raises :class:`ConfigError` when nothing
+    matches, naming what was looked for.
+    """
+    wanted = ", ".join(suffixes)
+    if not path:
+        raise ConfigError(f"dataset '{dataset}' needs a path: set path = a file, a directory, or a glob.")
+    expanded = Path(path).expanduser()
+    if _GLOB_CHARACTERS & set(path):
+        matches = [Path(found) for found in glob.glob(str(expanded), recursive=True)]
+        files = sorted(found for found in matches if found.is_file() and found.suffix in suffixes)
+        where = f"the pattern '{path}'"
+    elif expanded.is_dir():
+        files = sorted(found for found in expanded.iterdir() if found.is_file() and found.suffix in suffixes)
+        where = f"the directory '{path}'"
+    elif expanded.is_file():
+        if expanded.suffix not in suffixes:
+            raise ConfigError(f"dataset '{dataset}' reads {wanted} files; '{path}' is not one.")
+        return [expanded]
+    else:
+        raise ConfigError(f"dataset '{dataset}': path '{path}' does not exist.")
+    if not files:
+        raise ConfigError(f"dataset '{dataset}': {where} holds no {wanted} files.")
+    return files

@@ -1,0 +1,177 @@
+"""``forge prepare-data``'s work: tokenize text files into ``.bin`` shards for ``memmap``.
+
+Documents are read in order (each text file is one document; each line of a JSON-lines file
+is one, its ``text_field`` holding the text), encoded, followed by the tokenizer's eos id,
+and written as one token stream cut into shards of ``shard_tokens`` tokens (the last one
+shorter). Each ``shard_NNNNN.bin`` gets a ``shard_NNNNN.json`` metadata file
+(:mod:`forge_lm.data.shards`); the ``memmap`` dataset reads the stream back exactly. Memory
+use is one document plus one write buffer, whatever the corpus size. numpy only: no torch.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from forge_lm.data.shards import metadata_path, token_dtype, write_shard_metadata
+from forge_lm.errors import ForgeError
+
+FORMATS = {"text": (".txt", ".text", ".md"), "jsonl": (".jsonl", ".json")}
+
+
+def resolve_inputs(inputs: Sequence[str], format: str) -> list[Path]:
+    """The input files: each input is a file, a directory (its files of ``format``), or a glob."""
+    suffixes = FORMATS[format]
+    files: list[Path] = []
+    for name in inputs:
+        path = Path(name).expanduser()
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in suffixes)
+            if not found:
+                raise ForgeError(f"input directory '{name}' holds no {format} files ({', '.join(suffixes)}).")
+            files.extend(found)
+        elif matches := sorted(Path(m) for m in glob.glob(str(path), recursive=True) if Path(m).is_file()):
+            files.extend(matches)
+        else:
+            raise ForgeError(f"input '{name}' does not exist (nor matches any file).")
+    return files
+
+
+def read_documents(files: Sequence[Path], format: str, text_field: str) -> Iterator[tuple[str, int]]:
+    """``(document, bytes read for it)`` for every document of ``files``, in order."""
+    for path in files:
+        if format == "text":
+            data = path.read_bytes()
+            yield _decode(data, path, None), len(data)
+            continue
+        with path.open("rb") as file:
+            for number, line in enumerate(file, start=1):
+                if not line.strip():  # blank lines separate nothing in JSON lines; skip them
+                    yield "", len(line)
+                    continue
+                try:
+                    row = json.loads(_decode(line, path, number))
+                except json.JSONDecodeError as exc:
+                    raise ForgeError(
+                        f"{path}:{number} is not valid JSON ({exc.msg}); fix or remove the line."
+                    ) from None
+                if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+                    keys = ", ".join(repr(k) for k in row) if isinstance(row, dict) else "none: not an object"
+                    raise ForgeError(
+                        f"{path}:{number} has no text field '{text_field}' (its keys: {keys}); "
+                        "name the right one with --text-field."
+                    )
+                yield row[text_field], len(line)
+
+
+def _decode(data: bytes, path: Path, line: int | None) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        where = f"{path}:{line}" if line else str(path)
+        raise ForgeError(f"{where} is not UTF-8 text (byte {exc.start}); convert it to UTF-8.") from None
+
+
+class ShardWriter:
+    """Appends tokens to ``shard_NNNNN.bin`` files of ``shard_tokens`` tokens each."""
+
+    def __init__(self, output: Path, shard_tokens: int, dtype: np.dtype, metadata: dict[str, Any]) -> None:
+        self.output = output
+        self.shard_tokens = shard_tokens
+        self.dtype = dtype
+        self.metadata = metadata
+        self.shards: list[Path] = []
+        self._file: Any = None
+        self._in_shard = 0
+
+    def write(self, tokens: np.ndarray) -> None:
+        tokens = tokens.astype(self.dtype, copy=False)
+        while len(tokens):
+            if self._file is None:
+                self.shards.append(self.output / f"shard_{len(self.shards):05d}.bin")
+                self._file = self.shards[-1].open("wb")
+            room = self.shard_tokens - self._in_shard
+            piece, tokens = tokens[:room], tokens[room:]
+            self._file.write(piece.tobytes())
+            self._in_shard += len(piece)
+            if self._in_shard == self.shard_tokens:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        self._file.close()
+        self._file = None
+        write_shard_metadata(self.shards[-1], {**self.metadata, "num_tokens": self._in_shard})
+        self._in_shard = 0
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._close_shard()
+
+
+@attrs.frozen
+class Prepared:
+    shards: list[Path]
+    num_tokens: int
+    documents: int
+    dtype: str
+
+
+def prepare(
+    inputs: Sequence[str],
+    output: Path,
+    tokenizer: Any,
+    *,
+    tokenizer_name: str,
+    format: str = "text",
+    text_field: str = "text",
+    shard_tokens: int = 100_000_000,
+    on_progress: Callable[[int, int], None] = lambda done, total: None,
+) -> Prepared:
+    """Tokenize ``inputs`` into shards in ``output``; ``on_progress(bytes_done, bytes_total)``."""
+    if format not in FORMATS:
+        raise ForgeError(f"unknown input format {format!r}; use 'text' or 'jsonl'.")
+    if shard_tokens < 1:
+        raise ForgeError(f"--shard-tokens must be at least 1, got {shard_tokens}.")
+    files = resolve_inputs(inputs, format)
+    output.mkdir(parents=True, exist_ok=True)
+    existing = sorted(p.name for p in output.iterdir() if p.suffix in (".bin", ".npy"))
+    if existing:
+        raise ForgeError(
+            f"output directory '{output}' already holds shards ({', '.join(existing[:3])}, ...); "
+            "choose an empty directory or delete them first."
+        )
+    dtype = token_dtype(tokenizer.vocab_size)
+    metadata = {
+        "dtype": dtype.name,
+        "eos_id": tokenizer.eos_id,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer": tokenizer_name,
+    }
+    writer = ShardWriter(output, shard_tokens, dtype, metadata)
+    total_bytes, done_bytes, documents, num_tokens = sum(f.stat().st_size for f in files), 0, 0, 0
+    try:
+        for text, size in read_documents(files, format, text_field):
+            done_bytes += size
+            if text.strip():  # a blank document would add a lone eos and nothing to learn
+                ids = np.array([*tokenizer.encode(text), tokenizer.eos_id], dtype=np.int64)
+                writer.write(ids)
+                documents, num_tokens = documents + 1, num_tokens + len(ids)
+            on_progress(done_bytes, total_bytes)
+        writer.close()
+    except BaseException:
+        writer.close()
+        for shard in writer.shards:  # no half-written corpus left behind to be trained on
+            shard.unlink(missing_ok=True)
+            metadata_path(shard).unlink(missing_ok=True)
+        raise
+    if not documents:
+        raise ForgeError(f"the inputs ({', '.join(inputs)}) hold no text; nothing was written.")
+    return Prepared(writer.shards, num_tokens, documents, dtype.name)

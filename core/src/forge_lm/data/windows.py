@@ -1,0 +1,79 @@
+"""The dataset every built-in text corpus is: windows of a token stream, through the sampler."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from forge_lm.components import DataContext
+from forge_lm.data.packing import TokenStream, check_ids, num_windows, window_sample
+from forge_lm.data.sampler import WindowSampler
+from forge_lm.data.splits import SplitIndices
+from forge_lm.errors import ConfigError, ForgeError
+
+
+class WindowDataset:
+    """Samples from the windows of ``tokens``, in the sampler's order, for one rank.
+
+    ``held_out``: when given, only the windows of ``context.split`` under that eval fraction
+    (:mod:`forge_lm.data.splits`) are used; when None, every window is (the caller has split
+    the data by documents already). ``source`` names the data in messages.
+    """
+
+    def __init__(
+        self,
+        tokens: TokenStream,
+        context: DataContext,
+        *,
+        eos_id: int | None,
+        source: str,
+        held_out: float | None = None,
+    ) -> None:
+        self.tokens = tokens
+        self.context = context
+        self.eos_id = eos_id
+        self.source = source
+        total = num_windows(len(tokens), context.seq_len)
+        if total < 1:
+            raise ConfigError(
+                f"{source} holds {len(tokens)} tokens, fewer than seq_len + 1 = {context.seq_len + 1}; "
+                "lower [train] seq_len or give the dataset more data."
+            )
+        self.windows: Sequence[int] = range(total) if held_out is None else SplitIndices(total, held_out, context.split)
+        if not self.windows:
+            fix = "raise eval_fraction" if context.split == "eval" else "lower eval_fraction"
+            raise ConfigError(
+                f"the {context.split} split of {source} is empty ({total} windows of {context.seq_len + 1} "
+                f"tokens, eval_fraction = {held_out}); {fix}, give the dataset more data, or lower "
+                "[train] seq_len."
+            )
+        self.sampler = WindowSampler(
+            len(self.windows), seed=context.seed, dp_rank=context.dp_rank, dp_size=context.dp_size
+        )
+
+    def __len__(self) -> int:
+        """Windows in this split (one epoch, all ranks together)."""
+        return len(self.windows)
+
+    def sample(self, index: int) -> dict[str, torch.Tensor]:
+        """The sample of window ``index`` of this split."""
+        start = self.windows[index] * self.context.seq_len
+        window = self.tokens.read(start, self.context.seq_len + 1)
+        check_ids(window, self.context.vocab_size, self.source)
+        return window_sample(window, self.eos_id)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        # The sampler advances before each yield, so the state always names the next sample,
+        # including for an iterator that is already running when load_state_dict is called.
+        while True:
+            yield self.sample(self.sampler.next_index())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "sampler" not in state:
+            raise ForgeError(f"the saved data state {sorted(state)} is not the state of {self.source}.")
+        self.sampler.load_state_dict(state["sampler"])

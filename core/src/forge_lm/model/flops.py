@@ -1,0 +1,44 @@
+"""Parameter and FLOP counts for throughput and MFU: what one token costs to train."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from forge_lm.config import ModelSection
+
+
+def active_parameter_count(model: nn.Module) -> int:
+    """``N``: the parameters one token passes through in matrix multiplies.
+
+    Every parameter counts once, except input embedding tables (``nn.Embedding``: a lookup, not
+    a matmul). A head tied to the embedding is a matmul, so the shared tensor counts once, as the
+    head. A submodule that defines ``active_parameter_count()`` reports its own number and its
+    children are not walked: a mixture-of-experts layer counts only the experts a token visits.
+    """
+    counted: dict[int, int] = {}  # id(param) -> numel, so shared tensors count once
+    reported = 0
+
+    def walk(module: nn.Module) -> None:
+        nonlocal reported
+        if module is not model and callable(getattr(module, "active_parameter_count", None)):
+            reported += int(module.active_parameter_count())
+            return
+        if not isinstance(module, nn.Embedding):
+            for param in module.parameters(recurse=False):
+                counted[id(param)] = param.numel()
+        for child in module.children():
+            walk(child)
+
+    walk(model)
+    return reported + sum(counted.values())
+
+
+def flops_per_token(config: ModelSection, active_params: int, seq_len: int) -> float:
+    """Training FLOPs per token, forward and backward: ``6 * N + 12 * n_layers * dim * seq_len``.
+
+    ``6 * N``: each active parameter does a multiply-add (2 FLOPs) forward and twice that
+    backward. ``12 * L * d * T``: the attention scores and the weighted sum, ``2 * 2 * d * T``
+    per layer forward, times 3 with backward (PaLM, appendix B, with ``d = n_heads * head_dim``).
+    Causal masking's halving is not subtracted, as in PaLM, so MFU is comparable across papers.
+    """
+    return 6.0 * active_params + 12.0 * config.n_layers * config.dim * seq_len

@@ -1,0 +1,113 @@
+"""Sampling from a model with a KV cache: greedy, temperature, top-k and top-p (nucleus)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from forge_lm.errors import ForgeError
+from forge_lm.model.kv_cache import KVCache
+
+
+def sampling_probs(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """The distribution the next token is drawn from, fp32, from ``logits`` ``[vocab]``.
+
+    In this order (that of Hugging Face): divide by ``temperature`` (> 0); keep the ``top_k``
+    largest logits (ties with the k-th are kept too); renormalise; keep the smallest set of most
+    likely tokens whose probability mass reaches ``top_p`` (a token stays iff the mass of the
+    tokens more likely than it is below ``top_p``, so the most likely one always stays);
+    renormalise.
+    """
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive prefix sums
+        keep = torch.zeros_like(probs, dtype=torch.bool)
+        keep[order] = mass_before < top_p
+        keep[order[0]] = True  # rounding must never empty the set
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    return probs
+
+
+def generate(
+    model: nn.Module,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """``prompt`` followed by up to ``max_new_tokens`` sampled tokens (the prompt is included).
+
+    ``temperature = 0`` is greedy (argmax). Generation stops after ``eos_id`` is produced (it is
+    the last returned token). The prompt is run once, then one token per step against a KV cache.
+    ``generator`` (on the CPU or the model's device) makes sampling reproducible. The model is put
+    in eval mode while sampling and restored afterwards.
+    """
+    prompt = [int(t) for t in prompt]
+    _check_arguments(model, prompt, max_new_tokens, temperature, top_k, top_p)
+    device = next(model.parameters()).device
+    sample_device = generator.device if generator is not None else device
+    tokens = list(prompt)
+    if max_new_tokens == 0:
+        return tokens
+    cache = KVCache(len(prompt) + max_new_tokens)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt], device=device), kv_cache=cache)[0, -1]  # [vocab]
+            for step in range(max_new_tokens):
+                if temperature == 0:
+                    next_id = int(torch.argmax(logits))
+                else:
+                    probs = sampling_probs(logits, temperature, top_k, top_p).to(sample_device)
+                    next_id = int(torch.multinomial(probs, 1, generator=generator))
+                tokens.append(next_id)
+                if next_id == eos_id or step == max_new_tokens - 1:
+                    break
+                logits = model(torch.tensor([[next_id]], device=device), kv_cache=cache)[0, -1]
+    finally:
+        model.train(was_training)
+    return tokens
+
+
+def _check_arguments(
+    model: nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+) -> None:
+    if not prompt:
+        raise ForgeError("the prompt is empty; give at least one token (for example the tokenizer's eos_id).")
+    if max_new_tokens < 0:
+        raise ForgeError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+    if temperature < 0:
+        raise ForgeError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
+    if top_k is not None and top_k < 1:
+        raise ForgeError(f"top_k must be >= 1 (or unset), got {top_k}.")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ForgeError(f"top_p must be in (0, 1] (or unset), got {top_p}.")
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is not None and not all(0 <= t < vocab for t in prompt):
+        raise ForgeError(f"the prompt has token ids outside the model's vocabulary [0, {vocab}).")
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_seq_len", None)
+    if limit is not None and len(prompt) + max_new_tokens > limit:
+        raise ForgeError(
+            f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"max_seq_len ({limit}); lower max_new_tokens or shorten the prompt."
+        )

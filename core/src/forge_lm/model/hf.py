@@ -1,0 +1,297 @@
+"""Conversion between Forge's dense model and Hugging Face's ``LlamaForCausalLM``, both ways.
+
+The layouts agree except for names: RoPE uses the same half-split convention (no permutation
+of ``wq``/``wk`` rows) and grouped-query heads are grouped the same way. Only models with
+RMSNorm, no QK-norm and SwiGLU feed-forward layers in every block have a Llama equivalent.
+
+``transformers`` is needed only for :func:`to_hf_config`; export and import need ``safetensors``
+(the core's ``hf`` extra). Both are imported inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from forge_lm.config import ComponentConfig, ModelSection
+from forge_lm.default_plugins.feed_forwards import SwiGLUOptions
+from forge_lm.errors import ForgeError
+from forge_lm.model.swiglu import SwiGLU
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints, as save_pretrained writes them
+
+# Forge name <-> HF name, outside the blocks and inside block N.
+_GLOBAL_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_FORGE_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_HF_IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")  # old checkpoints kept it
+
+
+# -- configs ------------------------------------------------------------------------------------
+
+
+def check_llama_compatible(config: ModelSection) -> None:
+    """Raise a :class:`ForgeError` naming every setting that Hugging Face Llama cannot express."""
+    problems = []
+    if config.norm != "rmsnorm":
+        problems.append(f"[model] norm = '{config.norm}' (Llama uses 'rmsnorm')")
+    if config.qk_norm:
+        problems.append("[model] qk_norm = true (Llama has no QK-norm)")
+    if config.ffn.name.rpartition(":")[2] != "swiglu":
+        problems.append(f"[model.ffn] name = '{config.ffn.name}' (Llama uses 'swiglu')")
+    if problems:
+        raise ForgeError(
+            "this model has no Hugging Face LlamaForCausalLM equivalent: " + "; ".join(problems) + ". "
+            "Only rmsnorm + no QK-norm + swiglu models convert; keep them in Forge's own checkpoint format."
+        )
+
+
+def hf_config_dict(
+    config: ModelSection,
+    vocab_size: int,
+    ffn_hidden: int,
+    *,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+) -> dict[str, Any]:
+    """The ``config.json`` of the equivalent ``LlamaForCausalLM`` (written without needing transformers)."""
+    check_llama_compatible(config)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": config.dim,
+        "intermediate_size": ffn_hidden,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "initializer_range": config.init_std,
+        "rms_norm_eps": config.norm_eps,
+        # transformers >= 5 reads rope_parameters; earlier releases read rope_theta.
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+    }
+
+
+def to_hf_config(config: ModelSection, vocab_size: int, ffn_hidden: int, **token_ids: int | None) -> Any:
+    """A ``transformers.LlamaConfig`` for ``config`` (``token_ids``: optional ``bos_id``, ``eos_id``)."""
+    import transformers
+
+    fields = hf_config_dict(config, vocab_size, ffn_hidden, **token_ids)
+    for key in ("architectures", "model_type", "rope_theta", "rope_scaling", "torch_dtype"):
+        fields.pop(key)
+    return transformers.LlamaConfig(**fields)
+
+
+def model_section_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """``ModelSection(**fields)`` equivalent to a Llama ``config.json``; refuses what Forge cannot express."""
+    kind = hf_config.get("model_type")
+    if kind != "llama":
+        raise ForgeError(f"config.json has model_type '{kind}'; only Hugging Face Llama ('llama') models import.")
+    problems = []
+    if hf_config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act '{hf_config['hidden_act']}' (Forge's swiglu uses silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf_config.get(key):
+            problems.append(f"{key} = true (Forge's layers have no biases)")
+    rope = hf_config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default" or hf_config.get("rope_scaling"):
+        problems.append(f"RoPE scaling '{hf_config.get('rope_scaling') or rope_type}' (Forge has plain RoPE)")
+    dim, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    if hf_config.get("head_dim") not in (None, dim // heads):
+        problems.append(f"head_dim {hf_config['head_dim']} != hidden_size / num_attention_heads ({dim // heads})")
+    if problems:
+        raise ForgeError("this Llama checkpoint cannot be imported: " + "; ".join(problems) + ".")
+    return {
+        "dim": dim,
+        "n_layers": hf_config["num_hidden_layers"],
+        "n_heads": heads,
+        "n_kv_heads": hf_config.get("num_key_value_heads") or heads,
+        "vocab_size": hf_config["vocab_size"],
+        "max_seq_len": hf_config.get("max_position_embeddings", 2048),
+        "rope_theta": float(rope.get("rope_theta", hf_config.get("rope_theta", 10000.0))),
+        "norm": "rmsnorm",
+        "norm_eps": hf_config.get("rms_norm_eps", 1e-6),
+        "qk_norm": False,
+        "tie_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
+        "init_std": hf_config.get("initializer_range", 0.02),
+        "ffn": ComponentConfig("swiglu", swiglu_options_for(dim, hf_config["intermediate_size"])),
+    }
+
+
+def swiglu_options_for(dim: int, hidden: int) -> SwiGLUOptions:
+    """SwiGLU options whose rounding gives exactly ``hidden`` for ``dim``: multiplier ``hidden / dim``,
+    ``multiple_of`` the largest power of two up to 256 dividing ``hidden``."""
+    multiple_of = 256
+    while hidden % multiple_of:
+        multiple_of //= 2
+    return SwiGLUOptions(hidden_multiplier=hidden / dim, multiple_of=multiple_of)
+
+
+# -- state dicts --------------------------------------------------------------------------------
+
+
+def swiglu_hidden_of(model: nn.Module) -> int:
+    """The SwiGLU hidden size shared by every block of ``model``; refuses other feed-forward layers."""
+    sizes = set()
+    for i, layer in enumerate(model.layers):
+        ffn = layer.feed_forward
+        if not isinstance(ffn, SwiGLU):
+            raise ForgeError(
+                f"layer {i}'s feed-forward is {type(ffn).__name__}, not SwiGLU; only swiglu models convert to "
+                "Hugging Face Llama."
+            )
+        sizes.add(ffn.w1.out_features)
+    if len(sizes) != 1:
+        raise ForgeError(f"the blocks' SwiGLU hidden sizes differ ({sorted(sizes)}); Llama needs one size.")
+    return sizes.pop()
+
+
+def to_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s weights under ``LlamaForCausalLM``'s names (``lm_head.weight`` included even when tied,
+    as in the HF model's own state dict); tensors are shared with the model, not copied."""
+    check_llama_compatible(model.config)
+    swiglu_hidden_of(model)
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name in _GLOBAL_NAMES:
+            out[_GLOBAL_NAMES[name]] = tensor
+            continue
+        match = _FORGE_LAYER.fullmatch(name)
+        if match is None or match.group(2) not in _LAYER_NAMES:
+            raise ForgeError(f"parameter '{name}' has no Hugging Face Llama counterpart.")
+        out[f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"] = tensor
+    return out
+
+
+def from_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ``LlamaForCausalLM`` state dict under Forge's names, ready for ``Transformer.load_state_dict``.
+
+    Without ``lm_head.weight`` (tied checkpoints omit it) the head is the embedding tensor, which
+    loads correctly into tied and untied Forge models alike.
+    """
+    forge_global = {hf: forge for forge, hf in _GLOBAL_NAMES.items()}
+    forge_layer = {hf: forge for forge, hf in _LAYER_NAMES.items()}
+    out = {}
+    for name, tensor in state.items():
+        if _HF_IGNORED.fullmatch(name):
+            continue
+        if name in forge_global:
+            out[forge_global[name]] = tensor
+            continue
+        match = _HF_LAYER.fullmatch(name)
+        if match is None or match.group(2) not in forge_layer:
+            raise ForgeError(f"weight '{name}' is not part of a LlamaForCausalLM that Forge can import.")
+        out[f"layers.{match.group(1)}.{forge_layer[match.group(2)]}"] = tensor
+    if "tok_embeddings.weight" not in out:
+        raise ForgeError("the checkpoint has no model.embed_tokens.weight; it is not a complete LlamaForCausalLM.")
+    out.setdefault("output.weight", out["tok_embeddings.weight"])
+    return out
+
+
+# -- files --------------------------------------------------------------------------------------
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors.torch
+    except ImportError as exc:
+        raise ForgeError(
+            "Hugging Face export and import need the safetensors package: pip install 'forge-lm[hf]'"
+        ) from exc
+    return safetensors.torch
+
+
+def export_hf(
+    model: nn.Module,
+    config: ModelSection,
+    out_dir: str | Path,
+    *,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+) -> Path:
+    """Write ``model`` as a Hugging Face Llama model: ``out_dir/config.json`` and ``model.safetensors``.
+
+    Loadable with ``transformers.LlamaForCausalLM.from_pretrained(out_dir)``. A tied head is
+    stored once (as the embedding), as Hugging Face does. Returns ``out_dir``.
+    """
+    check_llama_compatible(config)
+    st = _safetensors()
+    hf_config = hf_config_dict(config, model.vocab_size, swiglu_hidden_of(model), bos_id=bos_id, eos_id=eos_id)
+    state = to_hf_state_dict(model)
+    if config.tie_embeddings:
+        del state["lm_head.weight"]  # safetensors refuses shared tensors; HF re-ties on load
+    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in state.items()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    st.save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    return out
+
+
+def load_hf(hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Read a Hugging Face Llama directory: ``(ModelSection fields, Forge state dict)``.
+
+    Reads ``config.json`` and ``model.safetensors`` (or the shards of
+    ``model.safetensors.index.json``). Build the model with
+    ``build_model(ModelSection(**fields), fields["vocab_size"], registry)`` and load the state.
+    """
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise ForgeError(f"'{hf_dir}' has no {CONFIG_FILE}; give a directory written by save_pretrained or export_hf.")
+    fields = model_section_fields(json.loads(config_path.read_text()))
+    state = _read_weights(hf_dir)
+    if "lm_head.weight" not in state:
+        fields["tie_embeddings"] = True
+    return fields, from_hf_state_dict(state)
+
+
+def _read_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    st = _safetensors()
+    if (hf_dir / WEIGHTS_FILE).is_file():
+        return st.load_file(hf_dir / WEIGHTS_FILE)
+    index = hf_dir / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(st.load_file(hf_dir / shard))
+        return state
+    raise ForgeError(
+        f"'{hf_dir}' has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}; only safetensors weights import "
+        "(re-save a .bin checkpoint with save_pretrained(safe_serialization=True))."
+    )

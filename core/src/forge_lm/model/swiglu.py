@@ -1,0 +1,44 @@
+"""The SwiGLU feed-forward layer of Llama: ``w2(silu(w1(x)) * w3(x))``; the ``swiglu`` component."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def swiglu_hidden(dim: int, hidden_multiplier: float, multiple_of: int) -> int:
+    """Hidden size ``multiple_of * ceil(hidden_multiplier * dim / multiple_of)``.
+
+    The quotient is rounded to 9 decimals before ``ceil`` so that float noise in the multiplier
+    (``1.1 * 400 / 8`` is ``55.00000000000001`` in binary floating point) does not push an exact
+    multiple up to the next one.
+    """
+    return multiple_of * math.ceil(round(hidden_multiplier * dim / multiple_of, 9))
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP: ``w1`` gate and ``w3`` up project ``dim -> hidden``, ``w2`` projects back. No biases."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down: writes into the residual stream
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [batch, seq, dim] -> [batch, seq, hidden] -> [batch, seq, dim]
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float, residual_std: float) -> None:
+        """Gate and up projections ``normal(0, std)``; the residual (down) projection ``normal(0, residual_std)``."""
+        nn.init.normal_(self.w1.weight, mean=0.0, std=std)
+        nn.init.normal_(self.w3.weight, mean=0.0, std=std)
+        nn.init.normal_(self.w2.weight, mean=0.0, std=residual_std)
+
+
+def build_swiglu(options, dim: int, layer_index: int) -> SwiGLU:
+    """Factory of the ``swiglu`` feed-forward component (options: ``SwiGLUOptions``); same layer at every index."""
+    return SwiGLU(dim, swiglu_hidden(dim, options.hidden_multiplier, options.multiple_of))

@@ -1,0 +1,42 @@
+"""Where and in which precision a run computes. Never hard-coded: always from the config."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from forge_lm.errors import ConfigError
+
+
+def resolve_device(setting: str) -> torch.device:
+    """``auto`` is CUDA when available, else CPU; an explicit device must exist."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(setting)
+    except RuntimeError:
+        raise ConfigError(f"[train] device: '{setting}' is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'.") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"[train] device: '{setting}' asked for, but CUDA is not available; use 'cpu' or 'auto'.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"[train] device: '{setting}' does not exist; this machine has {torch.cuda.device_count()} GPU(s)."
+            )
+    elif device.type != "cpu":
+        raise ConfigError(f"[train] device: '{setting}' is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    return device
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain fp32. Weights always stay fp32 (master weights)."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's and torch's generators (all devices): the run is reproducible from it."""
+    random.seed(seed)
+    torch.manual_seed(seed)

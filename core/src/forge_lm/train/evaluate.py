@@ -1,0 +1,44 @@
+"""Held-out evaluation: mean loss and perplexity over the same batches every time."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from forge_lm.data.loader import BatchLoader
+
+
+class Evaluator:
+    """Evaluates on the first ``steps`` batches of the eval split, identical at every call, so
+    that successive evaluations are comparable."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        steps: int,
+        loss_fn: Any,
+        device: torch.device,
+        dtype: torch.dtype | None,
+    ) -> None:
+        self.loader = BatchLoader(dataset, batch_size)
+        self.start = self.loader.state_dict()
+        self.steps = steps
+        self.loss_fn = loss_fn
+        self.device = device
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module) -> dict[str, float]:
+        self.loader.load_state_dict(self.start)
+        batches = iter(self.loader)
+        losses = []
+        for _ in range(self.steps):
+            batch = {key: value.to(self.device) for key, value in next(batches).items()}
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+                logits = model(batch["input_ids"], batch.get("document_ids"))
+                losses.append(self.loss_fn(logits, batch["labels"]).item())
+        loss = sum(losses) / len(losses)
+        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0))}

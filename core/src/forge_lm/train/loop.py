@@ -1,0 +1,226 @@
+"""The training loop: read it top to bottom.
+
+``train(config, manager)`` builds every component from the registry, then runs
+``max_steps`` optimizer steps of: forward (under autocast when bf16), loss plus every
+auxiliary loss a module reported, backward over ``grad_accum_steps`` micro-batches (gradient
+sync only on the last one), gradient clipping, optimizer and scheduler step, metrics,
+lifecycle hooks, evaluation and checkpoints at their intervals. It knows no concrete
+component: which optimizer, loss, dataset or feed-forward layer runs is the config's business.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from forge_lm.checkpoint import save_checkpoint
+from forge_lm.config import ForgeConfig, to_data
+from forge_lm.data.loader import BatchLoader
+from forge_lm.errors import ConfigError
+from forge_lm.losses.aux import collect_aux
+from forge_lm.metrics.mfu import mfu, peak_flops
+from forge_lm.model import build_model
+from forge_lm.model.flops import active_parameter_count, flops_per_token
+from forge_lm.plugins import PluginManager
+from forge_lm.train.components import build, build_dataset, build_metrics_backends
+from forge_lm.train.device import autocast_dtype, resolve_device, seed_everything
+from forge_lm.train.evaluate import Evaluator
+from forge_lm.train.run_dir import prepare_run_dir
+
+
+@attrs.define
+class TrainContext:
+    """What lifecycle hooks receive: the run as it stands."""
+
+    config: ForgeConfig
+    run_dir: Path
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    step: int = 0
+
+
+@attrs.frozen
+class TrainResult:
+    run_dir: Path
+    steps: int
+    final_loss: float
+    status: str
+
+
+def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
+    registry = manager.registry
+    device = resolve_device(config.train.device)
+    dtype = autocast_dtype(config.train.precision, device)
+    seed_everything(config.train.seed)
+
+    tokenizer = build(registry, "tokenizers", config.tokenizer)
+    vocab_size = _vocab_size(config, tokenizer)
+    model = build_model(config.model, vocab_size, registry).to(device)
+    optimizer = build(registry, "optimizers", config.optimizer, model)
+    scheduler = build(registry, "schedulers", config.scheduler, optimizer, config.train.max_steps)
+    loss_fn = build(registry, "losses", config.loss)
+    train_batches = BatchLoader(
+        build_dataset(config, registry, tokenizer, vocab_size, "train"), config.train.batch_size
+    )
+    evaluator = None
+    if config.eval.interval:
+        eval_data = build_dataset(config, registry, tokenizer, vocab_size, "eval")
+        evaluator = Evaluator(eval_data, config.train.batch_size, config.eval.steps, loss_fn, device, dtype)
+    forward = torch.compile(model) if config.train.compile else model
+
+    run_dir = prepare_run_dir(config, manager)
+    backends = build_metrics_backends(config, registry, run_dir)
+    for backend in backends:
+        backend.start(to_data(config), manager.manifest())
+    context = TrainContext(config, run_dir, model, optimizer, scheduler)
+    manager.hook.forge_lm_train_start(context=context)
+
+    tokens_per_step = config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps
+    step_flops = flops_per_token(config.model, active_parameter_count(model), config.train.seq_len)
+    peak = peak_flops(device, dtype, config.metrics.peak_flops)
+    batches = _on_device(iter(train_batches), device)
+    status, loss = "failed", float("nan")
+    window_start, window_steps = time.perf_counter(), 0
+    try:
+        for step in range(1, config.train.max_steps + 1):
+            lr = optimizer.param_groups[0]["lr"]
+            loss, grad_norm, aux = _train_step(forward, batches, loss_fn, optimizer, config, device, dtype)
+            scheduler.step()
+            context.step, window_steps = step, window_steps + 1
+
+            metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **aux}
+            for extra in manager.hook.forge_lm_step_end(context=context, step=step, metrics=dict(metrics)):
+                metrics.update(extra)
+            if step % config.metrics.log_interval == 0 or step == config.train.max_steps:
+                elapsed = time.perf_counter() - window_start
+                tokens_per_sec = tokens_per_step * window_steps / elapsed
+                metrics["tokens_per_sec"] = tokens_per_sec
+                metrics["mfu"] = mfu(step_flops, tokens_per_sec, peak)
+                _log(backends, step, metrics)
+                window_start, window_steps = time.perf_counter(), 0
+
+            if evaluator and (step % config.eval.interval == 0 or step == config.train.max_steps):
+                with _evaluation_mode(model, optimizer):
+                    results = evaluator.run(forward)
+                for extra in manager.hook.forge_lm_eval_end(context=context, step=step, metrics=dict(results)):
+                    results.update(extra)
+                _log(backends, step, results)
+                window_start = time.perf_counter()  # evaluation time is not training throughput
+
+            interval = config.checkpoint.interval
+            if (interval and step % interval == 0) or step == config.train.max_steps:
+                _checkpoint(context, train_batches, manager)  # the training point, for exact resume
+                window_start = time.perf_counter()
+        status = "completed"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        manager.hook.forge_lm_train_end(context=context, status=status)
+        for backend in backends:
+            backend.finish({"final_loss": loss, "steps": context.step})
+    return TrainResult(run_dir, context.step, loss, status)
+
+
+def _train_step(
+    model: torch.nn.Module,
+    batches: Iterator[dict[str, torch.Tensor]],
+    loss_fn: Any,
+    optimizer: torch.optim.Optimizer,
+    config: ForgeConfig,
+    device: torch.device,
+    dtype: torch.dtype | None,
+) -> tuple[float, float, dict[str, float]]:
+    """One optimizer step over ``grad_accum_steps`` micro-batches; returns (loss, grad norm, aux)."""
+    accum = config.train.grad_accum_steps
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, aux_logged = 0.0, {}
+    for micro in range(accum):
+        batch = next(batches)
+        with _gradient_sync(model, enabled=micro == accum - 1), collect_aux() as aux:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                logits = model(batch["input_ids"], batch.get("document_ids"))
+                loss = loss_fn(logits, batch["labels"])
+            aux_total = aux.total()
+            full = loss if aux_total is None else loss + aux_total
+            (full / accum).backward()
+        loss_sum += loss.item()
+        aux_logged = aux.logged()  # statistics of the last micro-batch
+    max_norm = config.train.grad_clip or math.inf  # inf: measure the norm without clipping
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+    optimizer.step()
+    return loss_sum / accum, grad_norm, aux_logged
+
+
+def _gradient_sync(model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Skip the data-parallel gradient sync on all but the last micro-batch of a step."""
+    if enabled:
+        return contextlib.nullcontext()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        return _restore_sync(model)
+    if hasattr(model, "no_sync"):  # DistributedDataParallel
+        return model.no_sync()
+    return contextlib.nullcontext()  # one process: nothing to sync
+
+
+@contextlib.contextmanager
+def _restore_sync(model: torch.nn.Module) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def _evaluation_mode(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Eval mode for the model, and for optimizers that keep a separate evaluation point
+    (schedule-free: its ``eval()`` swaps in the averaged weights)."""
+    model.eval()
+    if hasattr(optimizer, "eval"):
+        optimizer.eval()
+    try:
+        yield
+    finally:
+        if hasattr(optimizer, "train"):
+            optimizer.train()
+        model.train()
+
+
+def _on_device(batches: Iterator[dict[str, torch.Tensor]], device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    for batch in batches:
+        yield {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def _log(backends: list[Any], step: int, metrics: dict[str, float]) -> None:
+    for backend in backends:
+        backend.log(step, metrics)
+
+
+def _checkpoint(context: TrainContext, train_batches: BatchLoader, manager: PluginManager) -> None:
+    state = {
+        "scheduler": context.scheduler.state_dict(),
+        "data": train_batches.state_dict(),
+        "plugins": manager.save_states(context),
+    }
+    save_checkpoint(context.run_dir, context.step, context.model, context.optimizer, state)
+
+
+def _vocab_size(config: ForgeConfig, tokenizer: Any) -> int:
+    size = config.model.vocab_size
+    if size is None:
+        return tokenizer.vocab_size
+    if size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"[model] vocab_size: {size} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size}); "
+            "raise it or leave it unset to use the tokenizer's."
+        )
+    return size

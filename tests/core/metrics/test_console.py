@@ -1,0 +1,161 @@
+"""The 'console' backend: plain lines off a terminal, a live rich progress display on one."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+from rich.console import Console
+
+from forge_lm.components import MetricsContext
+from forge_lm.config import structure_options
+from forge_lm.metrics.console import ConsoleBackend
+from forge_lm.plugins import PluginManager, PluginSettings
+
+MANIFEST = [{"name": "core.metrics", "distribution": "forge-lm", "version": "0.1.0"}]
+
+
+@pytest.fixture(scope="module")
+def manager() -> PluginManager:
+    return PluginManager(PluginSettings(autoload=False))
+
+
+def build(manager, total_steps=0, **table) -> ConsoleBackend:
+    component = manager.registry.resolve("metrics_backends", "console")
+    options = structure_options(manager.registry, component, table, "metrics.console")
+    return component.build(options, MetricsContext(run_dir=".", total_steps=total_steps))
+
+
+class FakeTerminal(io.StringIO):
+    """Standard output as a terminal would present it to isatty()."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_off_a_terminal_each_step_is_one_plain_line(manager, capsys):
+    backend = build(manager, total_steps=10)
+
+    backend.start({}, MANIFEST)
+    backend.log(1, {"loss": 3.25, "lr": 1e-4})
+    backend.log(2, {"loss": 2.0, "lr": 2.5e-4, "tokens_per_sec": 12345.0, "grad_norm": float("nan")})
+    backend.finish({"final_loss": 2.0, "tokens": 4096})
+
+    assert capsys.readouterr().out == (
+        "plugins: core.metrics (forge-lm 0.1.0)\n"
+        "step 1 | loss 3.25 | lr 0.0001\n"
+        "step 2 | loss 2 | lr 0.00025 | tokens_per_sec 12345 | grad_norm nan\n"
+        "summary: final_loss 2 | tokens 4096\n"
+    )
+
+
+def test_digits_sets_the_significant_digits_of_plain_lines(manager, capsys):
+    backend = build(manager, digits=2)
+
+    backend.start({}, MANIFEST)
+    backend.log(7, {"loss": 3.14159, "lr": 0.000123456})
+    backend.finish({})
+
+    assert capsys.readouterr().out.splitlines()[1:] == ["step 7 | loss 3.1 | lr 0.00012"]
+
+
+def test_live_false_keeps_plain_lines_even_on_a_terminal(monkeypatch):
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    backend = ConsoleBackend(digits=4, total_steps=10, live=False)
+
+    backend.start({}, MANIFEST)
+    backend.log(3, {"loss": 1.5})
+    backend.finish({})
+
+    assert terminal.getvalue() == "plugins: core.metrics (forge-lm 0.1.0)\nstep 3 | loss 1.5\n"
+
+
+def test_a_terminal_stdout_gets_the_live_display_instead_of_lines(manager, monkeypatch):
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    backend = build(manager, total_steps=10)
+
+    backend.start({}, MANIFEST)
+    backend.log(3, {"loss": 1.5, "lr": 0.001})
+    backend.finish({"final_loss": 1.5})
+
+    out = terminal.getvalue()
+    assert "step 3 | loss" not in out  # no plain line
+    assert "3/10" in out
+    assert "loss 1.5 | lr 0.001" in out
+    assert "summary: final_loss 1.5" in out
+
+
+def live_backend(total_steps: int, width: int = 160) -> tuple[ConsoleBackend, io.StringIO]:
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=width, color_system=None)
+    return ConsoleBackend(digits=4, total_steps=total_steps, console=console), buffer
+
+
+def test_live_display_draws_step_loss_lr_throughput_and_eta_of_each_logged_step():
+    backend, buffer = live_backend(total_steps=100)
+
+    backend.start({}, MANIFEST)
+    backend.log(10, {"loss": 3.25, "lr": 1e-4, "tokens_per_sec": 12345.6, "mfu": 0.4123})
+    first = buffer.getvalue()
+    backend.log(20, {"loss": 2.875, "lr": 2e-4, "tokens_per_sec": 23456.0})
+    backend.finish({"final_loss": 2.875})
+    out = buffer.getvalue()
+
+    assert "plugins: core.metrics (forge-lm 0.1.0)" in first
+    assert "10/100" in first
+    assert "loss 3.25 | lr 0.0001 | 12,346 tok/s | mfu 41.2%" in first
+    assert "eta" in first
+    assert "20/100" in out
+    assert "loss 2.875 | lr 0.0002 | 23,456 tok/s" in out
+    assert out.rstrip().endswith("summary: final_loss 2.875")
+
+
+def test_live_display_keeps_evaluation_lines_above_the_bar_and_training_values_on_it():
+    backend, buffer = live_backend(total_steps=100)
+
+    backend.start({}, MANIFEST)
+    backend.log(50, {"loss": 3.0, "lr": 0.001, "tokens_per_sec": 5000.0})
+    backend.log(50, {"eval/loss": 2.75, "eval/perplexity": 15.64})
+    backend.finish({})
+
+    out = buffer.getvalue()
+    assert "step 50 | eval/loss 2.75 | eval/perplexity 15.64" in out
+    assert "loss 3 | eval 2.75 | lr 0.001 | 5,000 tok/s" in out
+
+
+def test_live_display_with_unknown_length_counts_steps_without_a_total():
+    backend, buffer = live_backend(total_steps=0)
+
+    backend.start({}, MANIFEST)
+    backend.log(4, {"loss": 1.25})
+    backend.finish({})
+
+    out = buffer.getvalue()
+    assert "4/?" in out
+    assert "loss 1.25" in out
+
+
+def test_live_display_restores_standard_output_when_finished():
+    backend, _ = live_backend(total_steps=10)
+    before = sys.stdout
+
+    backend.start({}, MANIFEST)
+    backend.log(1, {"loss": 1.0})
+    backend.finish({})
+
+    assert sys.stdout is before
+
+
+def test_a_narrow_terminal_crops_the_values_but_keeps_the_step_count_and_eta():
+    backend, buffer = live_backend(total_steps=2000, width=40)
+
+    backend.start({}, MANIFEST)
+    backend.log(1500, {"loss": 3.539, "lr": 1.018e-4, "tokens_per_sec": 1549.2, "mfu": 0.012})
+    backend.finish({})
+
+    lines = buffer.getvalue().replace("\r", "\n").splitlines()
+    assert any("1500/2000" in line and "eta" in line for line in lines)
+    assert "loss 3.539 | lr 0.0001018 | 1,549 tok/s…" in lines  # 40 columns, the last an ellipsis
