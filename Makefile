@@ -23,8 +23,10 @@ $(STAMP): $(PY) constraints.txt requirements-dev.txt $(addsuffix /pyproject.toml
 
 setup: $(STAMP)
 
+# Forge's main job: train the embedded default model (Python's standard library as text, no
+# download) for 200 steps on the CPU, into a new run directory each time.
 demo: setup
-	$(VENV)/bin/forge list-plugins
+	$(VENV)/bin/forge train --train.output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 test: setup lint
 	$(PY) -m pytest

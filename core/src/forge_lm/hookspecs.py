@@ -81,8 +81,11 @@ def forge_lm_register_datasets(register: Any) -> None:
     """Register training datasets.
 
     Factory: ``factory(options, context: forge_lm.components.DataContext) -> dataset``: an
-    iterable of samples (``{"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}``)
-    with ``state_dict()`` and ``load_state_dict(state)``, restoring the exact next sample.
+    iterable of samples (``{"input_ids": LongTensor[seq_len], "labels": LongTensor[seq_len]}``,
+    plus ``"document_ids"`` when sequences pack several documents, so that attention stays
+    within each one) with ``state_dict()`` and ``load_state_dict(state)``, restoring the exact
+    next sample. ``context.split`` is ``"train"`` or ``"eval"``: each dataset defines its own
+    held-out split.
     """
 
 

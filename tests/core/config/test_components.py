@@ -83,7 +83,7 @@ def test_a_builtin_components_options_are_typed_by_its_options_class(error):
 
 
 def test_a_component_without_options_gets_a_no_options_object(load):
-    assert load('[loss]\nname = "cross_entropy"\n').loss == ComponentConfig("cross_entropy", NoOptions())
+    assert load('[data]\nname = "synthetic"\n').data == ComponentConfig("synthetic", NoOptions())
 
 
 def test_a_component_may_be_selected_by_its_qualified_distribution_name(load):
@@ -185,7 +185,7 @@ def test_a_plugin_options_standard_attrs_validator_gives_its_message_not_a_tuple
 
 def test_a_plugin_from_an_installed_distribution_brings_typed_options_through_its_entry_point(fake_site, load):
     fake_site.install(
-        "forge-lion",
+        "forge-lamb",
         """
         import attrs
         from forge_lm import hookimpl
@@ -194,18 +194,18 @@ def test_a_plugin_from_an_installed_distribution_brings_typed_options_through_it
         FORGE_LM_PLUGIN_API = ">=1,<2"
 
         @attrs.define
-        class LionOptions(LearningRateOptions):
+        class LambOptions(LearningRateOptions):
             beta: float = 0.9
 
         @hookimpl
         def forge_lm_register_optimizers(register):
-            register("lion", "forge_lion:build", config=LionOptions, description="Lion")
+            register("lamb", "forge_lamb:build", config=LambOptions, description="LAMB")
         """,
     )
-    manager = PluginManager(PluginSettings(allow=("lion",)))
-    config = load(None, "--optimizer.name=lion", "--optimizer.beta=0.99", "--optimizer.lr=1e-4", manager=manager)
-    assert config.optimizer.name == "lion"
-    assert type(config.optimizer.options).__name__ == "LionOptions"
+    manager = PluginManager(PluginSettings(allow=("lamb",)))
+    config = load(None, "--optimizer.name=lamb", "--optimizer.beta=0.99", "--optimizer.lr=1e-4", manager=manager)
+    assert config.optimizer.name == "lamb"
+    assert type(config.optimizer.options).__name__ == "LambOptions"
     assert attrs.asdict(config.optimizer.options) == {"lr": 1e-4, "beta": 0.99}
 
 

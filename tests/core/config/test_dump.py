@@ -153,7 +153,7 @@ def test_component_sections_dump_as_name_then_options(load):
     data = to_data(load(None, "--scheduler.warmup_steps=10"))
     assert data["scheduler"] == {"name": "cosine", "warmup_steps": 10, "min_lr_ratio": 0.1}
     assert list(data["scheduler"]) == ["name", "warmup_steps", "min_lr_ratio"]
-    assert data["loss"] == {"name": "cross_entropy"}
+    assert data["loss"] == {"name": "cross_entropy", "z_loss_weight": 0.0}
     assert data["tokenizer"] == {"name": "bytes"}
 
 

@@ -16,6 +16,14 @@ TRAIN_KEYS = (
     "'precision', 'seed', 'seq_len'"
 )
 
+
+def available(manager: PluginManager, category: str) -> str:
+    """The names a manager's registry offers in ``category``, quoted as messages list them.
+
+    Computed from the registry, so that adding a built-in does not break exact messages.
+    """
+    return ", ".join(f"'{name}'" for name in manager.registry.names(category))
+
 # -- unknown keys and sections ----------------------------------------------------------------
 
 
@@ -68,8 +76,8 @@ def test_an_unknown_key_in_a_component_section_names_the_component_and_its_keys(
 
 
 def test_a_component_without_options_rejects_any_option_key(error):
-    assert error("[loss]\nlabel_smoothing = 0.1\n") == (
-        "[loss] label_smoothing: unknown key for loss 'cross_entropy'. Valid keys: (none)."
+    assert error('[data]\nname = "synthetic"\nshuffle = true\n') == (
+        "[data] shuffle: unknown key for dataset 'synthetic'. Valid keys: (none)."
     )
 
 
@@ -236,44 +244,44 @@ def test_a_file_that_is_not_utf8_is_a_config_error_naming_the_file(tmp_path):
 # -- unknown component names ------------------------------------------------------------------
 
 
-def test_an_unknown_component_names_section_and_key_suggests_and_lists_the_available_ones(error):
+def test_an_unknown_component_names_section_and_key_suggests_and_lists_the_available_ones(builtins, error):
     assert error('[optimizer]\nname = "adamx"\n') == (
         "[optimizer] name = 'adamx': unknown optimizer 'adamx'. Did you mean 'adamw'?\n"
-        "Available optimizers: 'adamw'.\n"
+        f"Available optimizers: {available(builtins, 'optimizers')}.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' ({CORE})."
     )
 
 
-def test_an_unknown_feed_forward_layer_in_model_ffn_lists_the_available_ones(error):
+def test_an_unknown_feed_forward_layer_in_model_ffn_lists_the_available_ones(builtins, error):
     assert error('[model.ffn]\nname = "nope"\n') == (
         "[model.ffn] name = 'nope': unknown feed-forward layer 'nope'.\n"
-        "Available feed-forward layers: 'swiglu'.\n"
+        f"Available feed-forward layers: {available(builtins, 'feed_forwards')}.\n"
         f"Installed plugins offering feed-forward layers: plugin 'core.feed_forwards' ({CORE})."
     )
 
 
-def test_an_unknown_component_given_as_an_override_without_a_close_match_lists_the_available_ones(error):
-    assert error(None, "--scheduler.name=linear") == (
-        "[scheduler] name = 'linear': unknown scheduler 'linear'.\n"
-        "Available schedulers: 'constant', 'cosine'.\n"
+def test_an_unknown_component_given_as_an_override_without_a_close_match_lists_the_available_ones(builtins, error):
+    assert error(None, "--scheduler.name=exponential") == (
+        "[scheduler] name = 'exponential': unknown scheduler 'exponential'.\n"
+        f"Available schedulers: {available(builtins, 'schedulers')}.\n"
         f"Installed plugins offering schedulers: plugin 'core.schedulers' ({CORE})."
     )
 
 
-def test_a_known_first_party_component_that_is_not_installed_names_the_package_to_install(error):
+def test_a_known_first_party_component_that_is_not_installed_names_the_package_to_install(builtins, error):
     assert error(None, "--optimizer.name=muon") == (
         "[optimizer] name = 'muon': unknown optimizer 'muon'.\n"
-        "Available optimizers: 'adamw'.\n"
+        f"Available optimizers: {available(builtins, 'optimizers')}.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' ({CORE}).\n"
         "'muon' is provided by the package forge-optim-muon: pip install forge-optim-muon"
     )
 
 
-def test_an_unknown_metrics_backend_names_the_backends_key_that_lists_it(error):
+def test_an_unknown_metrics_backend_names_the_backends_key_that_lists_it(builtins, error):
     # The user wrote [metrics] backends; there is no [metrics.wandb] table nor a name key in it.
     assert error(None, '--metrics.backends=["console", "wandb"]') == (
         "[metrics] backends: unknown metrics backend 'wandb'.\n"
-        "Available metrics backends: 'console', 'jsonl'.\n"
+        f"Available metrics backends: {available(builtins, 'metrics_backends')}.\n"
         f"Installed plugins offering metrics backends: plugin 'core.metrics' ({CORE}).\n"
         "'wandb' is provided by the package forge-wandb: pip install forge-wandb"
     )
@@ -289,18 +297,20 @@ def _muon() -> str:
 
 def test_wandb_backend_with_the_installed_stub_loaded_says_the_package_does_not_provide_it_yet(error):
     # The forge-wandb stub is installed and loads, but registers nothing yet.
-    message = error(None, '--metrics.backends=["wandb"]', manager=PluginManager(PluginSettings()))
+    manager = PluginManager(PluginSettings())
+    message = error(None, '--metrics.backends=["wandb"]', manager=manager)
     assert message.splitlines()[1:] == [
-        "Available metrics backends: 'console', 'jsonl'.",
+        f"Available metrics backends: {available(manager, 'metrics_backends')}.",
         f"Installed plugins offering metrics backends: plugin 'core.metrics' ({CORE}).",
         f"{_wandb()} is installed but does not provide it; a newer release may: pip install --upgrade forge-wandb",
     ]
 
 
 def test_wandb_backend_with_autoloading_off_says_the_installed_plugin_is_disabled(error):
-    message = error(None, '--metrics.backends=["wandb"]', manager=PluginManager(PluginSettings(autoload=False)))
+    manager = PluginManager(PluginSettings(autoload=False))
+    message = error(None, '--metrics.backends=["wandb"]', manager=manager)
     assert message.splitlines()[1:] == [
-        "Available metrics backends: 'console', 'jsonl'.",
+        f"Available metrics backends: {available(manager, 'metrics_backends')}.",
         f"Installed plugins offering metrics backends: plugin 'core.metrics' ({CORE}).",
         f"{_wandb()} is installed but disabled: plugin autoloading is off "
         "(FORGE_LM_DISABLE_PLUGIN_AUTOLOAD or --no-plugin-autoload). Enable it to use its components.",
@@ -308,9 +318,10 @@ def test_wandb_backend_with_autoloading_off_says_the_installed_plugin_is_disable
 
 
 def test_muon_optimizer_with_the_installed_stub_loaded_gives_the_whole_message(error):
-    assert error(None, "--optimizer.name=muon", manager=PluginManager(PluginSettings())) == (
+    manager = PluginManager(PluginSettings())
+    assert error(None, "--optimizer.name=muon", manager=manager) == (
         "[optimizer] name = 'muon': unknown optimizer 'muon'.\n"
-        "Available optimizers: 'adamw'.\n"
+        f"Available optimizers: {available(manager, 'optimizers')}.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' ({CORE}).\n"
         f"{_muon()} is installed but does not provide it; a newer release may: pip install --upgrade forge-optim-muon"
     )

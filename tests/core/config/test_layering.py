@@ -21,6 +21,7 @@ from forge_lm.config import (
 )
 from forge_lm.default_plugins.datasets import PythonStdlibOptions
 from forge_lm.default_plugins.feed_forwards import SwiGLUOptions
+from forge_lm.default_plugins.losses import CrossEntropyOptions
 from forge_lm.default_plugins.metrics import ConsoleOptions, JsonlOptions
 from forge_lm.default_plugins.optimizers import AdamWOptions
 from forge_lm.default_plugins.schedulers import ConstantOptions, CosineOptions
@@ -40,7 +41,7 @@ def test_no_file_and_no_overrides_give_every_schema_default(load):
     assert config.data == ComponentConfig("python_stdlib", PythonStdlibOptions())
     assert config.optimizer == ComponentConfig("adamw", AdamWOptions())
     assert config.scheduler == ComponentConfig("cosine", CosineOptions())
-    assert config.loss == ComponentConfig("cross_entropy", NoOptions())
+    assert config.loss == ComponentConfig("cross_entropy", CrossEntropyOptions())
     assert config.eval == EvalSection()
     assert config.checkpoint == CheckpointSection()
     assert config.metrics.log_interval == 10

@@ -56,3 +56,13 @@ def load_plugins() -> Callable[..., PluginManager]:
         return PluginManager(PluginSettings(allow=names, block=block))
 
     return load
+
+
+@pytest.fixture
+def builtin_names() -> Callable[[str], list[str]]:
+    """``builtin_names(category)``: the sorted names the core's own plugins register there.
+
+    Expected lists and messages are built from it, so that adding a built-in component does
+    not make them stale, while still asserting exactly which names appear.
+    """
+    return PluginManager(PluginSettings(), entry_points=False).registry.names

@@ -43,14 +43,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _command_modules() -> dict[str, object]:
-    modules = {}
-    for name, module in COMMANDS.items():
-        try:
-            modules[name] = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-    return modules  # commands whose module is not there yet are simply absent
+    return {name: importlib.import_module(module) for name, module in COMMANDS.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -108,7 +108,7 @@ class TrainSection:
     output_dir: str = attrs.field(
         default="runs/default", metadata=_doc("The run directory: config, manifest, metrics, checkpoints.")
     )
-    max_steps: int = attrs.field(default=300, validator=positive, metadata=_doc("Optimizer steps to run."))
+    max_steps: int = attrs.field(default=200, validator=positive, metadata=_doc("Optimizer steps to run."))
     seed: int = attrs.field(default=0, metadata=_doc("Seed of every random generator the run uses."))
     batch_size: int = attrs.field(
         default=16, validator=positive, metadata=_doc("Sequences per micro-batch (per data-parallel rank).")

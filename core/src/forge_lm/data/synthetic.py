@@ -15,16 +15,21 @@ import torch
 from forge_lm.components import DataContext
 
 
+EVAL_OFFSET = 1 << 31
+
+
 class SyntheticTokens(torch.utils.data.IterableDataset):
     def __init__(self, context: DataContext) -> None:
         self.context = context
         self._next_index = context.dp_rank
 
     def sample(self, index: int) -> dict[str, torch.Tensor]:
-        seed = (self.context.seed << 32) + index
-        generator = torch.Generator().manual_seed(seed)
+        # The eval split draws from its own index range, so it never repeats a training sample.
+        offset = EVAL_OFFSET if self.context.split == "eval" else 0
+        generator = torch.Generator().manual_seed((self.context.seed << 32) + offset + index)
         tokens = torch.randint(0, self.context.vocab_size, (self.context.seq_len + 1,), generator=generator)
-        return {"input_ids": tokens[:-1], "labels": tokens[1:]}
+        # One document per sample: nothing is packed, so attention never needs a document mask.
+        return {"input_ids": tokens[:-1], "labels": tokens[1:], "document_ids": torch.zeros_like(tokens[:-1])}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:

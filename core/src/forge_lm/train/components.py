@@ -14,10 +14,21 @@ def build(registry: Registry, category: str, chosen: ComponentConfig, *args: Any
     return registry.resolve(category, chosen.name).build(chosen.options, *args)
 
 
-def build_dataset(config: ForgeConfig, registry: Registry, tokenizer: Any, vocab_size: int, split: str) -> Any:
+def build_dataset(
+    config: ForgeConfig,
+    registry: Registry,
+    tokenizer: Any,
+    vocab_size: int,
+    split: str,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+) -> Any:
+    """The dataset of ``split`` as seen by data-parallel rank ``dp_rank`` of ``dp_size``."""
     context = DataContext(
         seq_len=config.train.seq_len,
         vocab_size=vocab_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
         seed=config.train.seed,
         split=split,
         tokenizer=tokenizer,
