@@ -103,7 +103,9 @@ def test_a_plugins_configure_hook_rejection_makes_validate_exit_2(forge_cli, fak
 def test_an_unknown_component_with_autoloading_off_says_the_installed_plugin_is_disabled(forge_cli):
     result = forge_cli("--no-plugin-autoload", "config", "validate", "--optimizer.name=muon")
     muon = PluginManager(PluginSettings()).plugin("muon")
-    optimizers = ", ".join(f"'{name}'" for name in PluginManager(PluginSettings(autoload=False)).registry.names("optimizers"))
+    optimizers = ", ".join(
+        f"'{name}'" for name in PluginManager(PluginSettings(autoload=False)).registry.names("optimizers")
+    )
     assert (result.returncode, result.stderr) == (
         2,
         "forge: error: [optimizer] name = 'muon': unknown optimizer 'muon'.\n"

@@ -17,12 +17,13 @@ TRAIN_KEYS = (
 )
 
 
-def available(manager: PluginManager, category: str) -> str:
-    """The names a manager's registry offers in ``category``, quoted as messages list them.
+def available(builtins: PluginManager, category: str) -> str:
+    """The built-in names of ``category``, quoted as messages list them: ``'a', 'b'``.
 
-    Computed from the registry, so that adding a built-in does not break exact messages.
+    Computed from the registry, so that adding a built-in does not make exact messages stale.
     """
-    return ", ".join(f"'{name}'" for name in manager.registry.names(category))
+    return ", ".join(f"'{name}'" for name in builtins.registry.names(category))
+
 
 # -- unknown keys and sections ----------------------------------------------------------------
 
@@ -295,33 +296,30 @@ def _muon() -> str:
     return f"plugin 'muon' (forge-optim-muon {importlib.metadata.version('forge-optim-muon')})"
 
 
-def test_wandb_backend_with_the_installed_stub_loaded_says_the_package_does_not_provide_it_yet(error):
+def test_wandb_backend_with_the_installed_stub_loaded_says_the_package_does_not_provide_it_yet(builtins, error):
     # The forge-wandb stub is installed and loads, but registers nothing yet.
-    manager = PluginManager(PluginSettings())
-    message = error(None, '--metrics.backends=["wandb"]', manager=manager)
+    message = error(None, '--metrics.backends=["wandb"]', manager=PluginManager(PluginSettings()))
     assert message.splitlines()[1:] == [
-        f"Available metrics backends: {available(manager, 'metrics_backends')}.",
+        f"Available metrics backends: {available(builtins, 'metrics_backends')}.",
         f"Installed plugins offering metrics backends: plugin 'core.metrics' ({CORE}).",
         f"{_wandb()} is installed but does not provide it; a newer release may: pip install --upgrade forge-wandb",
     ]
 
 
-def test_wandb_backend_with_autoloading_off_says_the_installed_plugin_is_disabled(error):
-    manager = PluginManager(PluginSettings(autoload=False))
-    message = error(None, '--metrics.backends=["wandb"]', manager=manager)
+def test_wandb_backend_with_autoloading_off_says_the_installed_plugin_is_disabled(builtins, error):
+    message = error(None, '--metrics.backends=["wandb"]', manager=PluginManager(PluginSettings(autoload=False)))
     assert message.splitlines()[1:] == [
-        f"Available metrics backends: {available(manager, 'metrics_backends')}.",
+        f"Available metrics backends: {available(builtins, 'metrics_backends')}.",
         f"Installed plugins offering metrics backends: plugin 'core.metrics' ({CORE}).",
         f"{_wandb()} is installed but disabled: plugin autoloading is off "
         "(FORGE_LM_DISABLE_PLUGIN_AUTOLOAD or --no-plugin-autoload). Enable it to use its components.",
     ]
 
 
-def test_muon_optimizer_with_the_installed_stub_loaded_gives_the_whole_message(error):
-    manager = PluginManager(PluginSettings())
-    assert error(None, "--optimizer.name=muon", manager=manager) == (
+def test_muon_optimizer_with_the_installed_stub_loaded_gives_the_whole_message(builtins, error):
+    assert error(None, "--optimizer.name=muon", manager=PluginManager(PluginSettings())) == (
         "[optimizer] name = 'muon': unknown optimizer 'muon'.\n"
-        f"Available optimizers: {available(manager, 'optimizers')}.\n"
+        f"Available optimizers: {available(builtins, 'optimizers')}.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' ({CORE}).\n"
         f"{_muon()} is installed but does not provide it; a newer release may: pip install --upgrade forge-optim-muon"
     )

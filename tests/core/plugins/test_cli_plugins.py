@@ -20,6 +20,11 @@ AUTOLOAD_OFF = "plugin autoloading is off (FORGE_LM_DISABLE_PLUGIN_AUTOLOAD or -
 NOT_ALLOWED = "not in the plugin allowlist (FORGE_LM_PLUGINS or --plugins)"
 
 
+def quoted(names: list[str]) -> str:
+    """Names as a message lists them: ``'a', 'b'``."""
+    return ", ".join(f"'{name}'" for name in names)
+
+
 def table_rows(stdout: str) -> list[list[str]]:
     """The cells of each one-line row of the ``list-plugins`` table."""
     return [[cell.strip() for cell in line.split("│")[1:-1]] for line in stdout.splitlines() if line.startswith("│")]
@@ -62,7 +67,7 @@ def broken_plugins(install_plugin, write_module) -> tuple[str, ...]:
     return ("raises", "nodep", "hookfail", "typo", "undecorated", "badname")
 
 
-def test_list_plugins_shows_each_broken_plugin_with_its_error_and_exits_0(forge_cli, broken_plugins):
+def test_list_plugins_shows_each_broken_plugin_with_its_error_and_exits_0(forge_cli, broken_plugins, builtin_names):
     result = forge_cli("--plugins", ",".join(broken_plugins), "list-plugins", env=WIDE)
 
     assert (result.returncode, result.stderr) == (0, "")
@@ -100,7 +105,7 @@ def test_list_plugins_shows_each_broken_plugin_with_its_error_and_exits_0(forge_
             "(':' is reserved for 'distribution:name')",
             "-",
         ],
-        ["core.optimizers", "forge-lm", FORGE_VERSION, "ok", "optimizers: adamw"],
+        ["core.optimizers", "forge-lm", FORGE_VERSION, "ok", f"optimizers: {', '.join(builtin_names('optimizers'))}"],
     ]:
         assert row in rows
 
@@ -157,7 +162,7 @@ def test_list_plugins_shows_an_incompatible_plugin_with_its_reason_and_component
 
 
 def test_config_naming_a_component_of_a_broken_known_plugin_names_its_distribution_version_and_fix(
-    forge_cli, install_plugin
+    forge_cli, install_plugin, builtin_names
 ):
     install_plugin(
         "forge-optim-muon",
@@ -173,7 +178,7 @@ def test_config_naming_a_component_of_a_broken_known_plugin_names_its_distributi
     assert "Traceback" not in result.stderr
     assert result.stderr == (
         "forge: error: [optimizer] name = 'muon': unknown optimizer 'muon'.\n"
-        "Available optimizers: 'adamw'.\n"
+        f"Available optimizers: {quoted(builtin_names('optimizers'))}.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' (forge-lm {FORGE_VERSION}).\n"
         "plugin 'muon' (forge-optim-muon 9.9) is installed but broken: import failed: ModuleNotFoundError: "
         "No module named 'forge_missing_dependency'. Fix: reinstall it with its dependencies "
@@ -181,23 +186,25 @@ def test_config_naming_a_component_of_a_broken_known_plugin_names_its_distributi
     )
 
 
-def test_config_naming_a_component_a_broken_plugin_might_provide_lists_it_with_the_fix(forge_cli, install_plugin):
-    install_plugin("forge-lion", 'raise RuntimeError("boom")', version="0.7")
+def test_config_naming_a_component_a_broken_plugin_might_provide_lists_it_with_the_fix(
+    forge_cli, install_plugin, builtin_names
+):
+    install_plugin("forge-lamb", 'raise RuntimeError("boom")', version="0.7")
 
-    result = forge_cli("--plugins", "lion", "config", "validate", "--optimizer.name=lion")
+    result = forge_cli("--plugins", "lamb", "config", "validate", "--optimizer.name=lamb")
 
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith(
-        "forge: error: [optimizer] name = 'lion': unknown optimizer 'lion'.\n"
-        "Available optimizers: 'adamw'.\n"
+        "forge: error: [optimizer] name = 'lamb': unknown optimizer 'lamb'.\n"
+        f"Available optimizers: {quoted(builtin_names('optimizers'))}.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' (forge-lm {FORGE_VERSION}).\n"
         "These installed plugins are not loaded and might provide it:\n"
     )
     assert (
-        "\n  plugin 'lion' (forge-lion 0.7) is installed but broken: import failed: RuntimeError: boom. "
-        "Fix: reinstall it with its dependencies (pip install --force-reinstall forge-lion) "
-        "or remove it (pip uninstall forge-lion).\n"
+        "\n  plugin 'lamb' (forge-lamb 0.7) is installed but broken: import failed: RuntimeError: boom. "
+        "Fix: reinstall it with its dependencies (pip install --force-reinstall forge-lamb) "
+        "or remove it (pip uninstall forge-lamb).\n"
     ) in result.stderr
 
 

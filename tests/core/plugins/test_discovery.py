@@ -85,9 +85,12 @@ def test_builtins_go_through_the_same_checks_and_registration_as_installed_plugi
     optimizers = manager.plugin("core.optimizers")
 
     assert optimizers.api_range == ">=1,<2"
-    assert optimizers.components == {"optimizers": ["adamw"]}
-    assert manager.plugin("core.schedulers").components == {"schedulers": ["constant", "cosine"]}
-    assert manager.plugin("core.metrics").components == {"metrics_backends": ["console", "jsonl"]}
+    assert optimizers.components == {"optimizers": ["adamw", "lion", "schedule_free_adamw"]}
+    # In registration order, as each plugin registers them.
+    assert manager.plugin("core.schedulers").components == {
+        "schedulers": ["constant", "none", "cosine", "linear", "wsd", "rex"]
+    }
+    assert manager.plugin("core.metrics").components == {"metrics_backends": ["console", "jsonl", "tensorboard"]}
     registered = [impl.plugin_name for impl in manager.hook.forge_lm_register_optimizers.get_hookimpls()]
     assert registered == ["core.optimizers"]
 

@@ -42,6 +42,11 @@ def component(name: str, plugin: PluginInfo, category: str = "optimizers") -> Co
     return Component(category, name, "forge_fake_impl:build", NoOptions, "A component", plugin)
 
 
+def quoted(names: list[str]) -> str:
+    """Names as a message lists them: ``'a', 'b'``."""
+    return ", ".join(f"'{name}'" for name in names)
+
+
 def test_every_category_has_a_singular_noun_and_a_registration_hook(manager):
     assert list(CATEGORIES) == [
         "optimizers",
@@ -77,7 +82,7 @@ def test_unknown_category_far_from_every_real_one_lists_the_categories(builtins_
     assert str(caught.value) == f"unknown component category 'widgets'. Categories: {ALL_CATEGORIES}."
 
 
-def test_names_and_components_are_sorted_by_name(install_plugin, load_plugins):
+def test_names_and_components_are_sorted_by_name(install_plugin, load_plugins, builtin_names):
     install_plugin(
         "forge-fake",
         """
@@ -89,9 +94,10 @@ def test_names_and_components_are_sorted_by_name(install_plugin, load_plugins):
     )
 
     registry = load_plugins("fake").registry
+    expected = ["aaa_linear", *builtin_names("schedulers"), "zigzag"]
 
-    assert registry.names("schedulers") == ["aaa_linear", "constant", "cosine", "zigzag"]
-    assert [c.name for c in registry.components("schedulers")] == ["aaa_linear", "constant", "cosine", "zigzag"]
+    assert registry.names("schedulers") == expected
+    assert [c.name for c in registry.components("schedulers")] == expected
     assert registry.names("routers") == []
 
 
@@ -145,24 +151,24 @@ def test_qualifying_with_a_distribution_that_does_not_provide_the_name_is_an_err
     )
 
 
-def test_unknown_name_suggests_a_close_one_and_lists_names_and_plugins(builtins_only):
+def test_unknown_name_suggests_a_close_one_and_lists_names_and_plugins(builtins_only, builtin_names):
     with pytest.raises(PluginError) as caught:
         builtins_only.registry.resolve("optimizers", "adamm")
 
     assert str(caught.value) == (
         "unknown optimizer 'adamm'. Did you mean 'adamw'?\n"
-        "Available optimizers: 'adamw'.\n"
+        f"Available optimizers: {quoted(builtin_names('optimizers'))}.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' (forge-lm {FORGE_VERSION})."
     )
 
 
-def test_unknown_qualified_name_reports_the_bare_name(builtins_only):
+def test_unknown_qualified_name_reports_the_bare_name(builtins_only, builtin_names):
     with pytest.raises(PluginError) as caught:
         builtins_only.registry.resolve("schedulers", "forge-lm:cosin")
 
     assert str(caught.value) == (
         "unknown scheduler 'cosin'. Did you mean 'cosine'?\n"
-        "Available schedulers: 'constant', 'cosine'.\n"
+        f"Available schedulers: {quoted(builtin_names('schedulers'))}.\n"
         f"Installed plugins offering schedulers: plugin 'core.schedulers' (forge-lm {FORGE_VERSION})."
     )
 
@@ -182,7 +188,7 @@ def test_unknown_name_in_an_empty_category_says_none_are_available(builtins_only
             "wandb",
             "forge-wandb",
             "unknown metrics backend 'wandb'.\n"
-            "Available metrics backends: 'console', 'jsonl'.\n"
+            "Available metrics backends: {available}.\n"
             f"Installed plugins offering metrics backends: plugin 'core.metrics' (forge-lm {FORGE_VERSION}).\n",
             id="backend-wandb",
         ),
@@ -191,7 +197,7 @@ def test_unknown_name_in_an_empty_category_says_none_are_available(builtins_only
             "muon",
             "forge-optim-muon",
             "unknown optimizer 'muon'.\n"
-            "Available optimizers: 'adamw'.\n"
+            "Available optimizers: {available}.\n"
             f"Installed plugins offering optimizers: plugin 'core.optimizers' (forge-lm {FORGE_VERSION}).\n",
             id="optimizer-muon",
         ),
@@ -200,7 +206,7 @@ def test_unknown_name_in_an_empty_category_says_none_are_available(builtins_only
             "moe",
             "forge-moe",
             "unknown feed-forward layer 'moe'.\n"
-            "Available feed-forward layers: 'swiglu'.\n"
+            "Available feed-forward layers: {available}.\n"
             "Installed plugins offering feed-forward layers: "
             f"plugin 'core.feed_forwards' (forge-lm {FORGE_VERSION}).\n",
             id="feed-forward-moe",
@@ -215,15 +221,16 @@ def test_unknown_name_in_an_empty_category_says_none_are_available(builtins_only
     ],
 )
 def test_known_first_party_name_that_is_not_installed_names_the_package_to_install(
-    builtins_only, category, name, package, lines
+    builtins_only, builtin_names, category, name, package, lines
 ):
     with pytest.raises(PluginError) as caught:
         builtins_only.registry.resolve(category, name)
 
+    lines = lines.format(available=quoted(builtin_names(category)))
     assert str(caught.value) == f"{lines}'{name}' is provided by the package {package}: pip install {package}"
 
 
-def test_known_name_whose_plugin_is_blocked_says_the_installed_plugin_is_disabled():
+def test_known_name_whose_plugin_is_blocked_says_the_installed_plugin_is_disabled(builtin_names):
     manager = PluginManager(PluginSettings(allow=(), block=("muon",)))
 
     with pytest.raises(PluginError) as caught:
@@ -231,14 +238,16 @@ def test_known_name_whose_plugin_is_blocked_says_the_installed_plugin_is_disable
 
     assert str(caught.value) == (
         "unknown optimizer 'muon'.\n"
-        "Available optimizers: 'adamw'.\n"
+        f"Available optimizers: {quoted(builtin_names('optimizers'))}.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' (forge-lm {FORGE_VERSION}).\n"
         f"plugin 'muon' (forge-optim-muon {MUON_VERSION}) is installed but disabled: "
         "blocked by FORGE_LM_BLOCK_PLUGINS or --block-plugin. Enable it to use its components."
     )
 
 
-def test_known_name_whose_plugin_is_broken_says_how_to_fix_the_installed_plugin(install_plugin, load_plugins):
+def test_known_name_whose_plugin_is_broken_says_how_to_fix_the_installed_plugin(
+    install_plugin, load_plugins, builtin_names
+):
     install_plugin(
         "forge-optim-muon",
         "import forge_missing_dependency",
@@ -253,7 +262,7 @@ def test_known_name_whose_plugin_is_broken_says_how_to_fix_the_installed_plugin(
 
     assert str(caught.value) == (
         "unknown optimizer 'muon'.\n"
-        "Available optimizers: 'adamw'.\n"
+        f"Available optimizers: {quoted(builtin_names('optimizers'))}.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' (forge-lm {FORGE_VERSION}).\n"
         "plugin 'muon' (forge-optim-muon 9.9) is installed but broken: import failed: ModuleNotFoundError: "
         "No module named 'forge_missing_dependency'. Fix: reinstall it with its dependencies "
@@ -261,7 +270,9 @@ def test_known_name_whose_plugin_is_broken_says_how_to_fix_the_installed_plugin(
     )
 
 
-def test_known_name_missing_from_an_installed_working_plugin_says_to_upgrade_it(install_plugin, load_plugins):
+def test_known_name_missing_from_an_installed_working_plugin_says_to_upgrade_it(
+    install_plugin, load_plugins, builtin_names
+):
     install_plugin("forge-wandb", version="0.0.1", module="fake_wandb", entry_points={"wandb": "fake_wandb"})
     manager = load_plugins("wandb")
 
@@ -270,25 +281,25 @@ def test_known_name_missing_from_an_installed_working_plugin_says_to_upgrade_it(
 
     assert str(caught.value) == (
         "unknown metrics backend 'wandb'.\n"
-        "Available metrics backends: 'console', 'jsonl'.\n"
+        f"Available metrics backends: {quoted(builtin_names('metrics_backends'))}.\n"
         f"Installed plugins offering metrics backends: plugin 'core.metrics' (forge-lm {FORGE_VERSION}).\n"
         "plugin 'wandb' (forge-wandb 0.0.1) is installed but does not provide it; a newer release may: "
         "pip install --upgrade forge-wandb"
     )
 
 
-def test_unknown_name_lists_installed_plugins_that_are_not_loaded(install_plugin):
+def test_unknown_name_lists_installed_plugins_that_are_not_loaded(install_plugin, builtin_names):
     install_plugin("forge-broken", 'raise RuntimeError("boom")', version="2.3")
     install_plugin("forge-off")
     manager = PluginManager(PluginSettings(allow=("broken",), block=("off",)))
 
     with pytest.raises(PluginError) as caught:
-        manager.registry.resolve("optimizers", "lion")
+        manager.registry.resolve("optimizers", "lamb")
 
     message = str(caught.value)
     assert message.startswith(
-        "unknown optimizer 'lion'.\n"
-        "Available optimizers: 'adamw'.\n"
+        "unknown optimizer 'lamb'.\n"
+        f"Available optimizers: {quoted(builtin_names('optimizers'))}.\n"
         f"Installed plugins offering optimizers: plugin 'core.optimizers' (forge-lm {FORGE_VERSION}).\n"
         "These installed plugins are not loaded and might provide it:\n"
     )
@@ -303,24 +314,24 @@ def test_unknown_name_lists_installed_plugins_that_are_not_loaded(install_plugin
     ) in message
 
 
-def test_installed_plugins_offering_the_category_include_third_party_ones(install_plugin, load_plugins):
+def test_installed_plugins_offering_the_category_include_third_party_ones(install_plugin, load_plugins, builtin_names):
     install_plugin(
         "forge-fake",
         """
         @hookimpl
         def forge_lm_register_optimizers(register):
-            register("lion", "forge_fake_impl:build", description="Lion")
+            register("lamb", "forge_fake_impl:build", description="LAMB")
         """,
         version="3.1",
     )
     manager = load_plugins("fake")
 
     with pytest.raises(PluginError) as caught:
-        manager.registry.resolve("optimizers", "lio")
+        manager.registry.resolve("optimizers", "lam")
 
     assert str(caught.value).split("\n")[:3] == [
-        "unknown optimizer 'lio'. Did you mean 'lion'?",
-        "Available optimizers: 'adamw', 'lion'.",
+        "unknown optimizer 'lam'. Did you mean 'lamb'?",
+        f"Available optimizers: {quoted(sorted([*builtin_names('optimizers'), 'lamb']))}.",
         f"Installed plugins offering optimizers: plugin 'core.optimizers' (forge-lm {FORGE_VERSION}), "
         "plugin 'fake' (forge-fake 3.1).",
     ]
@@ -350,12 +361,12 @@ def test_registry_refuses_a_component_of_an_unknown_category():
 def test_registry_refuses_to_resolve_a_component_of_an_unusable_plugin(status):
     plugin = PluginInfo("one", "forge-fake", "1.0", "forge_fake", status=status, reason="whatever")
     registry = Registry([plugin])
-    registry.add(component("lion", plugin))
+    registry.add(component("lamb", plugin))
 
     with pytest.raises(PluginError) as caught:
-        registry.resolve("optimizers", "lion")
+        registry.resolve("optimizers", "lamb")
 
-    assert str(caught.value) == f"optimizer 'lion' comes from plugin 'one' (forge-fake 1.0), which is {status}."
+    assert str(caught.value) == f"optimizer 'lamb' comes from plugin 'one' (forge-fake 1.0), which is {status}."
 
 
 def test_failed_factory_import_at_build_time_names_the_distribution_its_version_and_the_fix(
@@ -366,16 +377,16 @@ def test_failed_factory_import_at_build_time_names_the_distribution_its_version_
         """
         @hookimpl
         def forge_lm_register_optimizers(register):
-            register("lion", "forge_fake_impl:build_lion", description="Lion")
+            register("lamb", "forge_fake_impl:build_lamb", description="LAMB")
         """,
         version="0.3.1",
     )
     write_module("forge_fake_impl", "import forge_missing_dependency\n")
-    component = load_plugins("fake").registry.resolve("optimizers", "lion")
+    component = load_plugins("fake").registry.resolve("optimizers", "lamb")
 
     expected = (
-        "optimizer 'lion' from plugin 'fake' (forge-fake 0.3.1) cannot be built: importing "
-        "'forge_fake_impl:build_lion' failed with ModuleNotFoundError: No module named 'forge_missing_dependency'. "
+        "optimizer 'lamb' from plugin 'fake' (forge-fake 0.3.1) cannot be built: importing "
+        "'forge_fake_impl:build_lamb' failed with ModuleNotFoundError: No module named 'forge_missing_dependency'. "
         "Reinstall it with its dependencies (pip install --force-reinstall forge-fake) or uninstall it "
         "(pip uninstall forge-fake)."
     )
@@ -417,17 +428,17 @@ def test_registered_options_class_is_kept_for_config_validation(install_plugin, 
         import attrs
 
         @attrs.define
-        class LionOptions:
+        class LambOptions:
             lr: float = 1e-4
             beta: float = 0.9
 
         @hookimpl
         def forge_lm_register_optimizers(register):
-            register("lion", "forge_fake_impl:build", config=LionOptions, description="Lion")
+            register("lamb", "forge_fake_impl:build", config=LambOptions, description="LAMB")
         """,
     )
 
-    options_class = load_plugins("fake").registry.resolve("optimizers", "lion").options_class
+    options_class = load_plugins("fake").registry.resolve("optimizers", "lamb").options_class
 
     assert [f.name for f in attrs.fields(options_class)] == ["lr", "beta"]
 
