@@ -14,7 +14,6 @@ import torch
 
 from forge_lm.components import DataContext
 
-
 EVAL_OFFSET = 1 << 31
 
 

@@ -40,5 +40,3 @@ def build_dataset(
 def build_metrics_backends(config: ForgeConfig, registry: Registry, run_dir: Any) -> list[Any]:
     context = MetricsContext(run_dir=run_dir, run_name=str(run_dir), total_steps=config.train.max_steps)
     return [build(registry, "metrics_backends", chosen, context) for chosen in config.metrics.backends]
-
-

@@ -16,7 +16,9 @@ def resolve_device(setting: str) -> torch.device:
     try:
         device = torch.device(setting)
     except RuntimeError:
-        raise ConfigError(f"[train] device: '{setting}' is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'.") from None
+        raise ConfigError(
+            f"[train] device: '{setting}' is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'."
+        ) from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"[train] device: '{setting}' asked for, but CUDA is not available; use 'cpu' or 'auto'.")
