@@ -104,3 +104,35 @@ def test_plot_writes_a_png_of_the_run(run_dir):
     done = forge("plot", str(run_dir))
     assert done.returncode == 0, done.stderr
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_imported_hf_llama_gives_the_same_logits_and_exports_back_unchanged(tmp_path):
+    import transformers
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+
+    done = forge("import-hf", str(tmp_path / "hf"), f"--train.output_dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr
+    model, config, _ = load_for_inference(tmp_path / "run", PluginManager(PluginSettings(autoload=False)))
+    assert (config.model.dim, config.model.n_kv_heads, config.model.vocab_size) == (64, 2, 300)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+    back = forge("export-hf", str(tmp_path / "run"), str(tmp_path / "back"))
+    assert back.returncode == 0, back.stderr
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name

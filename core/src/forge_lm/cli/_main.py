@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "generate": "forge_lm.cli._generate",
     "prepare-data": "forge_lm.cli._prepare_data",
     "export-hf": "forge_lm.cli._export_hf",
+    "import-hf": "forge_lm.cli._import_hf",
     "plot": "forge_lm.cli._plot",
     "list-plugins": "forge_lm.cli._list_plugins",
     "config": "forge_lm.cli._config",

@@ -1,0 +1,54 @@
+"""``forge import-hf HF_DIR --train.output_dir=RUN``: a Hugging Face Llama model as a Forge run.
+
+The model section comes from the Llama ``config.json``, the weights become the run's
+``checkpoints/step_0``; ``forge generate``, ``forge export-hf`` and the Python API then use it
+like any run. A ``tokenizer.json`` beside the model becomes the run's tokenizer unless the
+overrides choose another. Other overrides set the rest of the run config.
+"""
+
+from __future__ import annotations
+
+HELP = "import a Hugging Face Llama model into a new run directory (then generate, export-hf, ...)"
+TAKES_OVERRIDES = True
+
+
+def add_arguments(parser) -> None:
+    from forge_lm.cli._main import add_plugin_switches
+
+    parser.add_argument("hf_dir", metavar="HF_DIR", help="a directory written by save_pretrained or export-hf")
+    add_plugin_switches(parser, after_command=True)
+
+
+def run(args, overrides, plugins) -> int:
+    from pathlib import Path
+
+    from forge_lm.checkpoint import save_checkpoint
+    from forge_lm.config import merge, parse_overrides, structure_config
+    from forge_lm.model import build_model
+    from forge_lm.model.hf import load_hf
+    from forge_lm.train.components import build
+    from forge_lm.train.run_dir import prepare_run_dir
+
+    hf_dir = Path(args.hf_dir)
+    fields, state = load_hf(hf_dir)
+    ffn = fields.pop("ffn")
+    layers = {"model": {**fields, "ffn": {"name": ffn.name, **_options_table(ffn.options)}}}
+    if (hf_dir / "tokenizer.json").is_file():
+        layers["tokenizer"] = {"name": "hf", "path": str(hf_dir / "tokenizer.json")}
+    manager = plugins()
+    config = structure_config(merge(layers, parse_overrides(overrides)), manager.registry)
+    manager.configure(config)
+
+    model = build_model(config.model, config.model.vocab_size, manager.registry)
+    model.load_state_dict(state)
+    run_dir = prepare_run_dir(config, manager)
+    optimizer = build(manager.registry, "optimizers", config.optimizer, model)  # fresh: nothing trained yet
+    save_checkpoint(run_dir, 0, model, optimizer, {"imported_from": str(hf_dir.resolve())})
+    print(f"imported {hf_dir} into run directory {run_dir}")
+    return 0
+
+
+def _options_table(options) -> dict:
+    from forge_lm.config import to_data
+
+    return to_data(options)
