@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +224,23 @@ def test_a_cuda_device_on_a_machine_without_cuda_is_a_config_error(tiny_config, 
     with pytest.raises(ConfigError) as caught:
         train(tiny_config("--train.device=cuda"), manager)
     assert str(caught.value) == "[train] device: 'cuda' asked for, but CUDA is not available; use 'cpu' or 'auto'."
+
+
+def test_a_backend_that_cannot_be_built_stops_the_run_before_anything_is_written(tiny_config, manager):
+    from forge_lm.errors import PluginError
+
+    def unavailable(options, context):
+        raise PluginError("metrics backend 'remote' needs the remote package: pip install remote")
+
+    class Remote:
+        FORGE_LM_PLUGIN_API = ">=1,<2"
+
+        @hookimpl
+        def forge_lm_register_metrics_backends(self, register):
+            register("remote", unavailable, description="needs a missing package")
+
+    manager.add_plugin(Remote(), "remote")
+    config = tiny_config('--metrics.backends=["jsonl", "remote"]')
+    with pytest.raises(PluginError, match="pip install remote"):
+        train(config, manager)
+    assert not Path(config.train.output_dir).exists()

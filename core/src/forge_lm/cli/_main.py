@@ -26,6 +26,8 @@ from forge_lm.plugins import (
     core_version,
 )
 
+INTERRUPTED_EXIT_CODE = 130  # the shell's convention for a command stopped by Ctrl-C (128 + SIGINT)
+
 COMMANDS: dict[str, str] = {
     "train": "forge_lm.cli._train",
     "generate": "forge_lm.cli._generate",
@@ -126,6 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ForgeError as exc:
         print(f"forge: error: {exc}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    except KeyboardInterrupt:
+        print("forge: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
 
 
 def plugin_manager(args: argparse.Namespace) -> PluginManager:

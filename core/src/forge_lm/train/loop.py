@@ -75,17 +75,19 @@ def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
         eval_data = build_dataset(config, registry, tokenizer, vocab_size, "eval")
         evaluator = Evaluator(eval_data, config.train.batch_size, config.eval.steps, loss_fn, device, dtype)
     forward = torch.compile(model) if config.train.compile else model
+    tokens_per_step = config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps
+    step_flops = flops_per_token(config.model, active_parameter_count(model), config.train.seq_len)
+    peak = peak_flops(device, dtype, config.metrics.peak_flops)
+    backends = build_metrics_backends(config, registry, Path(config.train.output_dir))
 
+    # Everything that can fail on a bad config or a missing dependency has run: only now is
+    # the run directory written, so a failed start leaves nothing behind.
     run_dir = prepare_run_dir(config, manager)
-    backends = build_metrics_backends(config, registry, run_dir)
     for backend in backends:
         backend.start(to_data(config), manager.manifest())
     context = TrainContext(config, run_dir, model, optimizer, scheduler)
     manager.hook.forge_lm_train_start(context=context)
 
-    tokens_per_step = config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps
-    step_flops = flops_per_token(config.model, active_parameter_count(model), config.train.seq_len)
-    peak = peak_flops(device, dtype, config.metrics.peak_flops)
     batches = _on_device(iter(train_batches), device)
     status, loss = "failed", float("nan")
     window_start, window_steps = time.perf_counter(), 0
