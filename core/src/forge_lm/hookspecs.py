@@ -145,6 +145,27 @@ def forge_lm_register_model_transforms(register: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# Interoperability: conversions a plugin's components need. The first plugin answering wins.
+# --------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def forge_lm_hf_export(model: Any, config: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The Hugging Face form of ``model`` (built from the ``[model]`` section ``config``):
+    ``(config.json as a dict, Hugging Face state dict)``, or None if this plugin's components
+    are not what the model is made of. Without an answer, ``forge export-hf`` writes Llama."""
+
+
+@hookspec(firstresult=True)
+def forge_lm_hf_import(
+    hf_config: dict[str, Any], state: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """For a Hugging Face model this plugin understands (by ``hf_config["model_type"]``):
+    ``([model] config table, Forge state dict)``, or None. Without an answer,
+    ``forge import-hf`` reads the model as Llama."""
+
+
+# --------------------------------------------------------------------------------------
 # Lifecycle: called by the training path, in this order.
 # --------------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-HELP = "export a checkpoint as a Hugging Face Llama model (config.json + model.safetensors)"
+HELP = "export a checkpoint as a Hugging Face model (Llama, or what a plugin maps it to)"
 TAKES_OVERRIDES = False
 
 
@@ -16,9 +16,10 @@ def add_arguments(parser) -> None:
 
 def run(args, overrides, plugins) -> int:
     from forge_lm.checkpoint import load_for_inference
-    from forge_lm.model.hf import export_hf
+    from forge_lm.model.hf import export_with_plugins
 
-    model, config, tokenizer = load_for_inference(args.checkpoint, plugins())
-    export_hf(model, config.model, args.output, eos_id=tokenizer.eos_id)
+    manager = plugins()
+    model, config, tokenizer = load_for_inference(args.checkpoint, manager)
+    export_with_plugins(manager, model, config.model, args.output, eos_id=tokenizer.eos_id)
     print(f"wrote a Hugging Face Llama model to {args.output}")
     return 0

@@ -1,6 +1,7 @@
-"""``forge import-hf HF_DIR --train.output_dir=RUN``: a Hugging Face Llama model as a Forge run.
+"""``forge import-hf HF_DIR --train.output_dir=RUN``: a Hugging Face model as a Forge run.
 
-The model section comes from the Llama ``config.json``, the weights become the run's
+The model section comes from the ``config.json`` (Llama, or a model type a plugin maps
+through ``forge_lm_hf_import``), the weights become the run's
 ``checkpoints/step_0``; ``forge generate``, ``forge export-hf`` and the Python API then use it
 like any run. A ``tokenizer.json`` beside the model becomes the run's tokenizer unless the
 overrides choose another. Other overrides set the rest of the run config.
@@ -25,17 +26,16 @@ def run(args, overrides, plugins) -> int:
     from forge_lm.checkpoint import save_checkpoint
     from forge_lm.config import merge, parse_overrides, structure_config
     from forge_lm.model import build_model
-    from forge_lm.model.hf import load_hf
+    from forge_lm.model.hf import import_with_plugins
     from forge_lm.train.components import build
     from forge_lm.train.run_dir import prepare_run_dir
 
     hf_dir = Path(args.hf_dir)
-    fields, state = load_hf(hf_dir)
-    ffn = fields.pop("ffn")
-    layers = {"model": {**fields, "ffn": {"name": ffn.name, **_options_table(ffn.options)}}}
+    manager = plugins()
+    model_table, state = import_with_plugins(manager, hf_dir)
+    layers = {"model": model_table}
     if (hf_dir / "tokenizer.json").is_file():
         layers["tokenizer"] = {"name": "hf", "path": str(hf_dir / "tokenizer.json")}
-    manager = plugins()
     config = structure_config(merge(layers, parse_overrides(overrides)), manager.registry)
     manager.configure(config)
 
@@ -46,9 +46,3 @@ def run(args, overrides, plugins) -> int:
     save_checkpoint(run_dir, 0, model, optimizer, {"imported_from": str(hf_dir.resolve())})
     print(f"imported {hf_dir} into run directory {run_dir}")
     return 0
-
-
-def _options_table(options) -> dict:
-    from forge_lm.config import to_data
-
-    return to_data(options)

@@ -235,6 +235,54 @@ def _safetensors() -> Any:
     return safetensors.torch
 
 
+def write_hf(out_dir: str | Path, hf_config: dict[str, Any], state: dict[str, torch.Tensor]) -> Path:
+    """Write a Hugging Face model directory: ``config.json`` and ``model.safetensors``."""
+    st = _safetensors()
+    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in state.items()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    st.save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    return out
+
+
+def read_hf(hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(config.json as a dict, Hugging Face state dict)`` of a model directory."""
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise ForgeError(f"'{hf_dir}' has no {CONFIG_FILE}; give a directory written by save_pretrained or export_hf.")
+    return json.loads(config_path.read_text()), _read_weights(hf_dir)
+
+
+def export_with_plugins(
+    manager: Any, model: nn.Module, config: ModelSection, out_dir: str | Path, *, eos_id: int | None = None
+) -> Path:
+    """Export through the plugin whose components make up ``model`` (``forge_lm_hf_export``),
+    or as a Llama model when no plugin claims it."""
+    converted = manager.hook.forge_lm_hf_export(model=model, config=config)
+    if converted is None:
+        return export_hf(model, config, out_dir, eos_id=eos_id)
+    hf_config, state = converted
+    return write_hf(out_dir, {**hf_config, "eos_token_id": eos_id}, state)
+
+
+def import_with_plugins(manager: Any, hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``([model] table, Forge state dict)`` through the plugin that understands the model type
+    (``forge_lm_hf_import``), or as a Llama model when none does."""
+    hf_config, hf_state = read_hf(hf_dir)
+    converted = manager.hook.forge_lm_hf_import(hf_config=hf_config, state=hf_state)
+    if converted is not None:
+        return converted
+    fields = model_section_fields(hf_config)
+    if "lm_head.weight" not in hf_state:
+        fields["tie_embeddings"] = True
+    ffn = fields.pop("ffn")
+    from forge_lm.config import to_data
+
+    return {**fields, "ffn": {"name": ffn.name, **to_data(ffn.options)}}, from_hf_state_dict(hf_state)
+
+
 def export_hf(
     model: nn.Module,
     config: ModelSection,
@@ -249,17 +297,11 @@ def export_hf(
     stored once (as the embedding), as Hugging Face does. Returns ``out_dir``.
     """
     check_llama_compatible(config)
-    st = _safetensors()
     hf_config = hf_config_dict(config, model.vocab_size, swiglu_hidden_of(model), bos_id=bos_id, eos_id=eos_id)
     state = to_hf_state_dict(model)
     if config.tie_embeddings:
         del state["lm_head.weight"]  # safetensors refuses shared tensors; HF re-ties on load
-    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in state.items()}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-    st.save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
-    return out
+    return write_hf(out_dir, hf_config, state)
 
 
 def load_hf(hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -269,12 +311,8 @@ def load_hf(hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     ``model.safetensors.index.json``). Build the model with
     ``build_model(ModelSection(**fields), fields["vocab_size"], registry)`` and load the state.
     """
-    hf_dir = Path(hf_dir)
-    config_path = hf_dir / CONFIG_FILE
-    if not config_path.is_file():
-        raise ForgeError(f"'{hf_dir}' has no {CONFIG_FILE}; give a directory written by save_pretrained or export_hf.")
-    fields = model_section_fields(json.loads(config_path.read_text()))
-    state = _read_weights(hf_dir)
+    hf_config, state = read_hf(hf_dir)
+    fields = model_section_fields(hf_config)
     if "lm_head.weight" not in state:
         fields["tie_embeddings"] = True
     return fields, from_hf_state_dict(state)

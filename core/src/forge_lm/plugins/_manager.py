@@ -162,9 +162,7 @@ class PluginManager:
             unknown = [c.name for c in self._hooks.get_hookcallers(plugin) or [] if not c.has_spec()]
             if unknown:
                 raise _PluginFailure(
-                    " ".join(
-                        f"implements unknown hook '{hook}'.{did_you_mean(hook, _hook_names())}" for hook in unknown
-                    )
+                    " ".join(f"implements unknown hook '{hook}'.{_closest_hook(hook)}" for hook in unknown)
                 )
             declared = getattr(plugin, API_ATTRIBUTE, None)
             info.api_range = declared if isinstance(declared, str) else None
@@ -297,8 +295,11 @@ def _kwargs(impl: Any, **available: Any) -> dict[str, Any]:
     return {name: available[name] for name in impl.argnames}
 
 
-def _hook_names() -> list[str]:
-    return [name for name in dir(hookspecs) if name.startswith(HOOK_PREFIX)]
+def _closest_hook(name: str) -> str:
+    """A "did you mean" for a misspelt hook, judged without the prefix every hook shares."""
+    hooks = [hook.removeprefix(HOOK_PREFIX) for hook in dir(hookspecs) if hook.startswith(HOOK_PREFIX)]
+    hint = did_you_mean(name.removeprefix(HOOK_PREFIX), hooks)
+    return hint.replace("'", f"'{HOOK_PREFIX}", 1) if hint else ""
 
 
 def _make_component(
