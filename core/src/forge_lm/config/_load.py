@@ -200,7 +200,7 @@ class _Walker:
         found = self._resolve(category, name, where, named_at)
         owner = f"{singular(category)} '{name}'"
         options = self.structure(found.options_class, data, where, owner=owner, also=also)
-        return ComponentConfig(name, options)
+        return ComponentConfig(name, options, found)
 
     def _component_array(self, field: Any, tables: Any, where: str) -> list[ComponentConfig]:
         """An array of component tables, each selecting its component by ``name``."""

@@ -26,10 +26,23 @@ ARRAY = "forge_lm.array"  # attrs field metadata: the field is an array of compo
 
 @attrs.frozen
 class ComponentConfig:
-    """A selected component: its registered ``name`` and its validated ``options`` object."""
+    """A selected component: its registered ``name`` and its validated ``options`` object.
+
+    A config from the loader also carries the resolved registry entry, so code holding only
+    the config (a component whose options select another component, such as an MoE layer
+    and its router) can build it: ``chosen.build(*args)``. The entry is not part of the
+    config's value: it is neither compared nor written out.
+    """
 
     name: str
     options: Any = None
+    component: Any = attrs.field(default=None, eq=False, repr=False)
+
+    def build(self, *args: Any, **kwargs: Any) -> Any:
+        """The component built with these options and the category's factory arguments."""
+        if self.component is None:
+            raise TypeError(f"component '{self.name}' was not resolved; load configs with forge_lm.config.load_config")
+        return self.component.build(self.options, *args, **kwargs)
 
 
 def component(category: str, default: str, doc: str) -> Any:
