@@ -37,7 +37,9 @@ def test_an_unknown_key_suggests_the_close_one_and_lists_the_valid_keys(error):
 
 
 def test_an_unknown_key_with_nothing_close_lists_the_valid_keys_only(error):
-    assert error("[checkpoint]\ncolour = 1\n") == "[checkpoint] colour: unknown key. Valid keys: 'interval'."
+    assert error("[checkpoint]\ncolour = 1\n") == (
+        "[checkpoint] colour: unknown key. Valid keys: 'async_save', 'interval', 'keep_last_n'."
+    )
 
 
 def test_an_unknown_key_given_as_an_override_is_reported_the_same_way(error):
@@ -49,7 +51,8 @@ def test_the_old_name_of_a_renamed_key_suggests_the_new_name(error):
 
 
 ALL_SECTIONS = (
-    "'checkpoint', 'data', 'eval', 'loss', 'metrics', 'model', 'optimizer', 'scheduler', 'tokenizer', 'train'"
+    "'checkpoint', 'data', 'eval', 'loss', 'metrics', 'model', 'optimizer', 'resilience', 'scheduler', 'tokenizer', "
+    "'train'"
 )
 
 

@@ -206,16 +206,20 @@ def test_lifecycle_hooks_run_in_order_with_the_run(tiny_config, manager):
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["recorder/seen"] for r in records if "loss" in r] == [1.0, 2.0, 3.0]
     state = json.loads((run_dir / "checkpoints" / "step_2" / "trainer_state.json").read_text())
-    assert state["plugins"] == {"recorder": {"seen": 2}}
+    assert state["trainer"]["plugins"] == {"recorder": {"seen": 2}}
 
 
-def test_an_existing_run_directory_is_refused_and_left_untouched(tiny_config, manager):
+def test_a_run_directory_of_another_model_is_refused_and_left_untouched(tiny_config, manager):
     config = tiny_config("--train.max_steps=1")
     run_dir = train(config, manager).run_dir
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    other = load_config(run_dir / "config.toml", ["--model.dim=64"], manager.registry)
     with pytest.raises(ConfigError) as caught:
-        train(config, manager)
-    assert str(caught.value).startswith(f"[train] output_dir: '{run_dir}' already holds a run (config.toml exists)")
+        train(other, manager)
+    assert str(caught.value).startswith(
+        f"[train] output_dir: '{run_dir}' holds a run with other settings for model.dim; a resumed run cannot "
+        "change them."
+    )
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 

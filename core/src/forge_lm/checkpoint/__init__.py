@@ -1,14 +1,17 @@
-"""Checkpoints of a run: written with torch.distributed.checkpoint (sharded, reshardable).
+"""Checkpoints of a run, written with torch.distributed.checkpoint (sharded, reshardable).
 
 Layout under the run directory::
 
-    checkpoints/step_<N>/       DCP files: the model and optimizer state
-    checkpoints/step_<N>/trainer_state.json   step, scheduler, data position, plugin states
-    checkpoints/latest          the name of the newest complete checkpoint, switched atomically
+    checkpoints/step_<N>/                  DCP tensor files: model, optimizer, plugin tensors
+    checkpoints/step_<N>/trainer_state.json  everything else, as plain data: step, scheduler,
+                                           data position, RNG states, plugin states; written last
+    checkpoints/latest                     names the newest complete checkpoint; switched atomically
 
-Only plain data goes into ``trainer_state.json``; tensors go through DCP.
+Nothing is pickled: loading reads tensors and JSON only, and refuses a checkpoint whose
+metadata or items would need arbitrary unpickling.
 """
 
-from forge_lm.checkpoint._io import latest_checkpoint, load_for_inference, save_checkpoint
+from forge_lm.checkpoint._io import CheckpointManager, latest_checkpoint, load_for_inference
+from forge_lm.checkpoint._safe import UnsafeCheckpointError
 
-__all__ = ["latest_checkpoint", "load_for_inference", "save_checkpoint"]
+__all__ = ["CheckpointManager", "UnsafeCheckpointError", "latest_checkpoint", "load_for_inference"]

@@ -23,8 +23,9 @@ def add_arguments(parser) -> None:
 def run(args, overrides, plugins) -> int:
     from pathlib import Path
 
-    from forge_lm.checkpoint import save_checkpoint
+    from forge_lm.checkpoint import CheckpointManager
     from forge_lm.config import merge, parse_overrides, structure_config
+    from forge_lm.errors import ConfigError
     from forge_lm.model import build_model
     from forge_lm.model.hf import import_with_plugins
     from forge_lm.train.components import build
@@ -41,8 +42,13 @@ def run(args, overrides, plugins) -> int:
 
     model = build_model(config.model, config.model.vocab_size, manager.registry)
     model.load_state_dict(state)
-    run_dir = prepare_run_dir(config, manager)
+    if Path(config.train.output_dir, "config.toml").exists():
+        raise ConfigError(f"[train] output_dir: '{config.train.output_dir}' already holds a run; choose a new one.")
+    run_dir, _ = prepare_run_dir(config, manager)
     optimizer = build(manager.registry, "optimizers", config.optimizer, model)  # fresh: nothing trained yet
-    save_checkpoint(run_dir, 0, model, optimizer, {"imported_from": str(hf_dir.resolve())})
+    # Step 0 with no scheduler or data position: `forge train` on this directory starts
+    # training from the imported weights.
+    state = {"tokens_seen": 0, "plugins": {}, "imported_from": str(hf_dir.resolve())}
+    CheckpointManager(run_dir).save(0, model, optimizer, state)
     print(f"imported {hf_dir} into run directory {run_dir}")
     return 0

@@ -6,6 +6,8 @@ standard library, which every machine with Python has, so it needs no download.
 
 from __future__ import annotations
 
+import sys
+
 HELP = "train a model (no CONFIG: the embedded default run)"
 TAKES_OVERRIDES = True
 
@@ -27,7 +29,24 @@ def run(args, overrides, plugins) -> int:
     manager.configure(config)  # every plugin checks the config before anything is built
 
     from forge_lm.train import train
+    from forge_lm.train.resilience import (
+        NONFINITE_EXIT_CODE,
+        PREEMPTED_EXIT_CODE,
+        NonFiniteLoss,
+        Preempted,
+    )
 
-    result = train(config, manager)
+    try:
+        result = train(config, manager)
+    except Preempted as stop:
+        print(
+            f"forge: {stop.signal_name} received: saved a checkpoint at step {stop.step} and stopped; "
+            "run the same command to resume.",
+            file=sys.stderr,
+        )
+        return PREEMPTED_EXIT_CODE
+    except NonFiniteLoss as stop:
+        print(f"forge: error: {stop}", file=sys.stderr)
+        return NONFINITE_EXIT_CODE
     print(f"trained {result.steps} steps; final loss {result.final_loss:.4f}; run directory {result.run_dir}")
     return 0

@@ -157,6 +157,32 @@ class CheckpointSection:
         validator=non_negative,
         metadata=_doc("Save every this many steps (and at the end); 0 at the end only."),
     )
+    keep_last_n: int = attrs.field(
+        default=0, validator=non_negative, metadata=_doc("Keep only the newest n checkpoints; 0 keeps all.")
+    )
+    async_save: bool = attrs.field(
+        default=False, metadata=_doc("Write checkpoints in the background while training goes on.")
+    )
+
+
+@attrs.frozen
+class ResilienceSection:
+    nan_policy: str = attrs.field(
+        default="skip",
+        validator=one_of("skip", "stop", "rollback"),
+        metadata=_doc(
+            "On a NaN/Inf loss or gradient: 'skip' the step, 'stop' the run, or 'rollback' to the newest "
+            "checkpoint and go on past the bad batch."
+        ),
+    )
+    max_bad_steps: int = attrs.field(
+        default=3, validator=positive, metadata=_doc("Stop after this many bad steps in a row.")
+    )
+    signal_timeout: float = attrs.field(
+        default=300.0,
+        validator=positive,
+        metadata=_doc("Seconds allowed to checkpoint after SIGTERM/SIGUSR1 before the process exits anyway."),
+    )
 
 
 @attrs.frozen
@@ -185,6 +211,7 @@ class ForgeConfig:
     loss: ComponentConfig = component("losses", "cross_entropy", "Training loss.")
     eval: EvalSection = attrs.field(factory=EvalSection)
     checkpoint: CheckpointSection = attrs.field(factory=CheckpointSection)
+    resilience: ResilienceSection = attrs.field(factory=ResilienceSection)
     metrics: MetricsSection = attrs.field(factory=MetricsSection)
 
 

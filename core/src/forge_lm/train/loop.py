@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 
-from forge_lm.checkpoint import save_checkpoint
+from forge_lm.checkpoint import CheckpointManager
 from forge_lm.config import ForgeConfig, to_data
 from forge_lm.data.loader import BatchLoader
 from forge_lm.errors import ConfigError
@@ -32,6 +33,7 @@ from forge_lm.plugins import PluginManager
 from forge_lm.train.components import build, build_dataset, build_metrics_backends
 from forge_lm.train.device import autocast_dtype, resolve_device, seed_everything
 from forge_lm.train.evaluate import Evaluator
+from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree
 from forge_lm.train.run_dir import prepare_run_dir
 
 
@@ -44,7 +46,8 @@ class TrainContext:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    step: int = 0
+    step: int = 0  # optimizer steps taken
+    tokens_seen: int = 0
 
 
 @attrs.frozen
@@ -81,46 +84,63 @@ def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
     backends = build_metrics_backends(config, registry, Path(config.train.output_dir))
 
     # Everything that can fail on a bad config or a missing dependency has run: only now is
-    # the run directory written, so a failed start leaves nothing behind.
-    run_dir = prepare_run_dir(config, manager)
+    # the run directory written (or found, to resume), so a failed start leaves nothing behind.
+    run_dir, resuming = prepare_run_dir(config, manager)
+    checkpoints = CheckpointManager(run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save)
+    context = TrainContext(config, run_dir, model, optimizer, scheduler)
+    if resuming:  # before any backend starts: plugins get their state back first (a tracker's run id)
+        _restore(checkpoints, context, train_batches, manager)
     for backend in backends:
         backend.start(to_data(config), manager.manifest())
-    context = TrainContext(config, run_dir, model, optimizer, scheduler)
     manager.hook.forge_lm_train_start(context=context)
 
     batches = _on_device(iter(train_batches), device)
-    status, loss = "failed", float("nan")
+    status, loss, bad_steps = "failed", float("nan"), 0
     window_start, window_steps = time.perf_counter(), 0
     try:
-        for step in range(1, config.train.max_steps + 1):
-            lr = optimizer.param_groups[0]["lr"]
-            loss, grad_norm, aux = _train_step(forward, batches, loss_fn, optimizer, config, device, dtype)
-            scheduler.step()
-            context.step, window_steps = step, window_steps + 1
+        with PreemptionWatcher(config.resilience.signal_timeout) as preemption:
+            while context.step < config.train.max_steps:
+                lr = optimizer.param_groups[0]["lr"]
+                loss, grad_norm, aux = _train_step(forward, batches, loss_fn, optimizer, config, device, dtype)
+                if agree(not (math.isfinite(loss) and math.isfinite(grad_norm))):
+                    bad_steps += 1
+                    _handle_bad_step(context, checkpoints, train_batches, manager, loss, grad_norm, bad_steps)
+                    continue
+                bad_steps = 0
+                optimizer.step()
+                scheduler.step()
+                context.step += 1
+                context.tokens_seen += tokens_per_step
+                step, window_steps = context.step, window_steps + 1
 
-            metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **aux}
-            for extra in manager.hook.forge_lm_step_end(context=context, step=step, metrics=dict(metrics)):
-                metrics.update(extra)
-            if step % config.metrics.log_interval == 0 or step == config.train.max_steps:
-                elapsed = time.perf_counter() - window_start
-                tokens_per_sec = tokens_per_step * window_steps / elapsed
-                metrics["tokens_per_sec"] = tokens_per_sec
-                metrics["mfu"] = mfu(step_flops, tokens_per_sec, peak)
-                _log(backends, step, metrics)
-                window_start, window_steps = time.perf_counter(), 0
+                metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **aux}
+                for extra in manager.hook.forge_lm_step_end(context=context, step=step, metrics=dict(metrics)):
+                    metrics.update(extra)
+                if step % config.metrics.log_interval == 0 or step == config.train.max_steps:
+                    tokens_per_sec = tokens_per_step * window_steps / (time.perf_counter() - window_start)
+                    metrics["tokens_per_sec"] = tokens_per_sec
+                    metrics["mfu"] = mfu(step_flops, tokens_per_sec, peak)
+                    _log(backends, step, metrics)
+                    window_start, window_steps = time.perf_counter(), 0
 
-            if evaluator and (step % config.eval.interval == 0 or step == config.train.max_steps):
-                with _evaluation_mode(model, optimizer):
-                    results = evaluator.run(forward)
-                for extra in manager.hook.forge_lm_eval_end(context=context, step=step, metrics=dict(results)):
-                    results.update(extra)
-                _log(backends, step, results)
-                window_start = time.perf_counter()  # evaluation time is not training throughput
+                if evaluator and (step % config.eval.interval == 0 or step == config.train.max_steps):
+                    with _evaluation_mode(model, optimizer):
+                        results = evaluator.run(forward)
+                    for extra in manager.hook.forge_lm_eval_end(context=context, step=step, metrics=dict(results)):
+                        results.update(extra)
+                    _log(backends, step, results)
+                    window_start = time.perf_counter()  # evaluation time is not training throughput
 
-            interval = config.checkpoint.interval
-            if (interval and step % interval == 0) or step == config.train.max_steps:
-                _checkpoint(context, train_batches, manager)  # the training point, for exact resume
-                window_start = time.perf_counter()
+                interval = config.checkpoint.interval
+                preempted = preemption.requested()
+                if (interval and step % interval == 0) or step == config.train.max_steps or preempted:
+                    _checkpoint(checkpoints, context, train_batches, manager)
+                    window_start = time.perf_counter()
+                if preempted:
+                    checkpoints.wait()
+                    status = "interrupted"
+                    raise Preempted(preemption.signal_name, step)
+            checkpoints.wait()
         status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -129,7 +149,63 @@ def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
         manager.hook.forge_lm_train_end(context=context, status=status)
         for backend in backends:
             backend.finish({"final_loss": loss, "steps": context.step})
+        checkpoints.close()
     return TrainResult(run_dir, context.step, loss, status)
+
+
+def _handle_bad_step(
+    context: TrainContext,
+    checkpoints: CheckpointManager,
+    train_batches: BatchLoader,
+    manager: PluginManager,
+    loss: float,
+    grad_norm: float,
+    bad_steps: int,
+) -> None:
+    """A non-finite loss or gradient: the optimizer did not step; apply the policy."""
+    policy = context.config.resilience
+    what = f"non-finite loss {loss} / gradient norm {grad_norm} after step {context.step}"
+    context.optimizer.zero_grad(set_to_none=True)
+    if policy.nan_policy == "stop" or bad_steps >= policy.max_bad_steps:
+        reason = (
+            "resilience.nan_policy = 'stop'"
+            if policy.nan_policy == "stop"
+            else (f"{bad_steps} bad steps in a row (resilience.max_bad_steps = {policy.max_bad_steps})")
+        )
+        raise NonFiniteLoss(
+            f"{what}; stopping because of {reason}. The newest checkpoint is intact; lower the learning rate "
+            "or check the data, then run the same command to resume."
+        )
+    if policy.nan_policy == "rollback":
+        checkpoints.wait()
+        data_position = train_batches.state_dict()  # go on past the bad batch, not back to it
+        if not _restore(checkpoints, context, train_batches, manager):
+            raise NonFiniteLoss(f"{what}; resilience.nan_policy = 'rollback' but there is no checkpoint yet.")
+        train_batches.load_state_dict(data_position)
+        _warn(f"{what}; rolled back to step {context.step} and skipping the bad batch")
+    else:
+        _warn(f"{what}; skipped the step (no optimizer or scheduler update)")
+
+
+def _restore(
+    checkpoints: CheckpointManager, context: TrainContext, train_batches: BatchLoader, manager: PluginManager
+) -> bool:
+    """Load the newest usable checkpoint into the run; False when there is none."""
+    state = checkpoints.load(context.model, context.optimizer)
+    if state is None:
+        _warn(f"'{context.run_dir}' has no checkpoint yet; starting from step 0")
+        return False
+    for skipped in state["passed_over"]:
+        _warn(f"passed over checkpoint {skipped}")
+    if "scheduler" in state:  # absent in an imported model's step 0: schedule and data start fresh
+        context.scheduler.load_state_dict(state["scheduler"])
+        train_batches.load_state_dict(state["data"])
+    context.step, context.tokens_seen = state["step"], state["tokens_seen"]
+    unclaimed = manager.load_states(context, state["plugins"])
+    for name in unclaimed:
+        _warn(f"checkpoint state of plugin '{name}' was not restored: that plugin is not loaded")
+    print(f"resumed from {state['path']} (step {context.step})", file=sys.stderr, flush=True)
+    return True
 
 
 def _train_step(
@@ -141,7 +217,8 @@ def _train_step(
     device: torch.device,
     dtype: torch.dtype | None,
 ) -> tuple[float, float, dict[str, float]]:
-    """One optimizer step over ``grad_accum_steps`` micro-batches; returns (loss, grad norm, aux)."""
+    """Gradients of one optimizer step over ``grad_accum_steps`` micro-batches, clipped; returns
+    (loss, grad norm before clipping, aux). The caller steps the optimizer if all is finite."""
     accum = config.train.grad_accum_steps
     optimizer.zero_grad(set_to_none=True)
     loss_sum, aux_logged = 0.0, {}
@@ -158,7 +235,6 @@ def _train_step(
         aux_logged = aux.logged()  # statistics of the last micro-batch
     max_norm = config.train.grad_clip or math.inf  # inf: measure the norm without clipping
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
-    optimizer.step()
     return loss_sum / accum, grad_norm, aux_logged
 
 
@@ -207,13 +283,20 @@ def _log(backends: list[Any], step: int, metrics: dict[str, float]) -> None:
         backend.log(step, metrics)
 
 
-def _checkpoint(context: TrainContext, train_batches: BatchLoader, manager: PluginManager) -> None:
+def _checkpoint(
+    checkpoints: CheckpointManager, context: TrainContext, train_batches: BatchLoader, manager: PluginManager
+) -> None:
     state = {
+        "tokens_seen": context.tokens_seen,
         "scheduler": context.scheduler.state_dict(),
         "data": train_batches.state_dict(),
         "plugins": manager.save_states(context),
     }
-    save_checkpoint(context.run_dir, context.step, context.model, context.optimizer, state)
+    checkpoints.save(context.step, context.model, context.optimizer, state)  # the training point: exact resume
+
+
+def _warn(message: str) -> None:
+    print(f"forge: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _vocab_size(config: ForgeConfig, tokenizer: Any) -> int:

@@ -1,0 +1,67 @@
+"""Split nested state into tensors (for DCP) and a plain-data skeleton (for JSON), and back.
+
+A tensor is replaced in the skeleton by ``{"__tensor__": key}``, a tuple by
+``{"__tuple__": [...]}`` (optimizers care about tuples such as ``betas``). Anything that is
+neither a tensor nor plain data cannot be checkpointed without pickling, so saving it fails
+with the path of the offending value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from forge_lm.errors import ForgeError
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def split(obj: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]:
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value
+            return {"__tensor__": path}
+        if isinstance(value, _PLAIN):
+            return value
+        if isinstance(value, tuple):
+            return {"__tuple__": [walk(v, f"{path}.{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [walk(v, f"{path}.{i}") for i, v in enumerate(value)]
+        if isinstance(value, dict):
+            out = {}
+            for key, item in value.items():
+                if not isinstance(key, str | int):
+                    raise ForgeError(f"cannot checkpoint '{path}': key {key!r} is not a string or an integer.")
+                out[str(key) if isinstance(key, str) else f"__int__{key}"] = walk(item, f"{path}.{key}")
+            return out
+        raise ForgeError(
+            f"cannot checkpoint '{path}': it holds a {type(value).__name__}; checkpoints keep tensors and "
+            "plain data (numbers, strings, lists, dicts) only, so that loading never unpickles code."
+        )
+
+    return tensors, walk(obj, prefix)
+
+
+def join(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(skeleton, list):
+        return [join(v, tensors) for v in skeleton]
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {"__tensor__"}:
+            return tensors[skeleton["__tensor__"]]
+        if set(skeleton) == {"__tuple__"}:
+            return tuple(join(v, tensors) for v in skeleton["__tuple__"])
+        return {(int(k[7:]) if k.startswith("__int__") else k): join(v, tensors) for k, v in skeleton.items()}
+    return skeleton
+
+
+def tensor_keys(skeleton: Any) -> list[str]:
+    if isinstance(skeleton, list):
+        return [key for v in skeleton for key in tensor_keys(v)]
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {"__tensor__"}:
+            return [skeleton["__tensor__"]]
+        return [key for v in skeleton.values() for key in tensor_keys(v)]
+    return []
