@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from forge_lm.checkpoint._safe import SafeReader, TensorsOnlyPlanner, UnsafeCheckpointError
@@ -131,8 +132,8 @@ class CheckpointManager:
                 state = self._load(path, model, optimizer)
             except UnsafeCheckpointError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a damaged checkpoint fails in many ways; an older one may not
-                passed_over.append(f"{path.name}: {exc}")
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - damage shows in many ways; an older one may be fine
+                passed_over.append(f"{path.name}: {_describe(exc)}")
                 continue
             state["passed_over"] = passed_over
             return state
@@ -164,6 +165,16 @@ class CheckpointManager:
         set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"])
         restore_rng(full["rng"])
         return {"step": full["step"], **full["trainer"], "path": str(path)}
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a load failure; DCP wraps each rank's error with its whole traceback."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        inner = next(iter(exc.failures.values()))[0]
+        return (
+            f"{type(inner).__name__}: {inner}" if str(inner) else f"{type(inner).__name__} (damaged or truncated file)"
+        )
+    return str(exc) or type(exc).__name__
 
 
 def rng_state() -> dict[str, Any]:
