@@ -287,6 +287,8 @@ def _checkpoint(
     checkpoints: CheckpointManager, context: TrainContext, train_batches: BatchLoader, manager: PluginManager
 ) -> None:
     state = {
+        "config": to_data(context.config),  # what produced it, even if the run directory is lost
+        "manifest": manager.manifest(),
         "tokens_seen": context.tokens_seen,
         "scheduler": context.scheduler.state_dict(),
         "data": train_batches.state_dict(),

@@ -1,8 +1,137 @@
-"""Forge plugin module of forge-moe (entry point group ``forge_lm``).
+"""Forge plugin module of forge-moe (entry point ``moe`` in the group ``forge_lm``).
 
-Kept free of heavy imports: Forge imports this module to list plugins. The components arrive
-with this package's feature work; until then the plugin is installable and listed, and
-registers nothing.
+Kept free of heavy imports: Forge imports this module to list plugins and validate configs.
+It holds the options classes and the hook implementations; the torch code lives in
+:mod:`forge_moe.layer`, :mod:`forge_moe.experts`, :mod:`forge_moe.routers` and
+:mod:`forge_moe.hf`, imported only when a run builds a component or converts a model.
 """
 
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import attrs
+
+from forge_lm import hookimpl
+from forge_lm.config import ComponentConfig, component
+from forge_lm.errors import ConfigError
+from forge_lm.validators import FieldError, non_negative, one_of, positive
+
 FORGE_LM_PLUGIN_API = ">=1,<2"
+
+MOE_NAME = "moe"
+
+
+@attrs.define
+class MoEOptions:
+    """``[model.ffn]`` with ``name = "moe"``; the router's own options go in ``[model.ffn.router]``."""
+
+    n_experts: int = attrs.field(default=8, validator=positive)  # routed experts per MoE layer
+    top_k: int = attrs.field(default=2, validator=positive)  # experts each token visits
+    # Dense layers: hidden = multiple_of * ceil(hidden_multiplier * dim / multiple_of), as swiglu.
+    hidden_multiplier: float = attrs.field(default=8 / 3, validator=positive)
+    multiple_of: int = attrs.field(default=64, validator=positive)
+    # Expert hidden size: the same rule with hidden_multiplier * expert_multiplier (fine-grained
+    # experts: e.g. 0.25 with 4x the experts and 4x top_k keeps the active size).
+    expert_multiplier: float = attrs.field(default=1.0, validator=positive)
+    # Always-on experts, each of the expert hidden size (built as one SwiGLU N times as wide).
+    n_shared_experts: int = attrs.field(default=0, validator=non_negative)
+    # None: no token dropping. Else each expert takes at most ceil(capacity_factor * tokens * top_k / n_experts)
+    # assignments per forward in training (first choices first, then token order).
+    capacity_factor: float | None = attrs.field(default=None, validator=positive)
+    every_n_layers: int = attrs.field(default=1, validator=positive)  # MoE in every n-th block ...
+    first_moe_layer: int = attrs.field(default=0, validator=non_negative)  # ... starting at this block index
+    expert_kernel: str = attrs.field(default="auto", validator=one_of("auto", "grouped_mm", "padded", "loop"))
+    router: ComponentConfig = component("routers", "softmax_topk", "Router of the MoE layers; its options in [model.ffn.router].")
+
+    def __attrs_post_init__(self) -> None:
+        if self.top_k > self.n_experts:
+            raise FieldError("top_k", f"must be at most n_experts ({self.n_experts}), got {self.top_k}")
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Block ``i`` is an MoE layer iff ``i >= first_moe_layer`` and ``(i - first_moe_layer) % every_n_layers == 0``."""
+        offset = layer_index - self.first_moe_layer
+        return offset >= 0 and offset % self.every_n_layers == 0
+
+
+@attrs.define
+class SoftmaxTopKOptions:
+    balance_loss_weight: float = attrs.field(default=0.01, validator=non_negative)  # Switch E * sum_i f_i * P_i
+    z_loss_weight: float = attrs.field(default=0.0, validator=non_negative)  # mean logsumexp(logits)^2
+    renormalize: bool = True  # combine weights: chosen probabilities / their sum (Mixtral); false: raw softmax
+
+
+@attrs.define
+class SigmoidTopKOptions:
+    # Per optimizer step: bias += rate * sign(mean load - load), from the step's assignment counts.
+    bias_update_rate: float = attrs.field(default=1e-3, validator=non_negative)
+    sequence_balance_loss_weight: float = attrs.field(default=0.0, validator=non_negative)  # DeepSeek-V3 alpha
+    z_loss_weight: float = attrs.field(default=0.0, validator=non_negative)
+
+
+@hookimpl
+def forge_lm_register_feed_forwards(register):
+    register(
+        MOE_NAME,
+        "forge_moe.layer:build_moe",
+        config=MoEOptions,
+        description="Mixture of SwiGLU experts every n-th layer (router, shared experts, capacity); SwiGLU elsewhere",
+    )
+
+
+@hookimpl
+def forge_lm_register_routers(register):
+    register(
+        "softmax_topk",
+        "forge_moe.routers:build_softmax_topk",
+        config=SoftmaxTopKOptions,
+        description="Softmax top-k, renormalised weights, Switch balance loss (Mixtral)",
+    )
+    register(
+        "sigmoid_topk",
+        "forge_moe.routers:build_sigmoid_topk",
+        config=SigmoidTopKOptions,
+        description="Sigmoid top-k with a no-gradient balancing bias (DeepSeek-V3), optional sequence balance loss",
+    )
+
+
+@hookimpl
+def forge_lm_configure(config):
+    ffn = config.model.ffn
+    if isinstance(ffn.options, MoEOptions) and ffn.options.first_moe_layer >= config.model.n_layers:
+        raise ConfigError(
+            f"[model.ffn] first_moe_layer: {ffn.options.first_moe_layer} leaves no MoE layer in a model of "
+            f'{config.model.n_layers} layers; lower it, or use name = "swiglu" for a dense model.'
+        )
+
+
+def _built_moe_layers() -> Any:
+    """forge_moe.layer if it was imported (no MoE layer can exist otherwise), else None."""
+    return sys.modules.get("forge_moe.layer")
+
+
+@hookimpl
+def forge_lm_step_end(context):
+    layer = _built_moe_layers()
+    if layer is not None:
+        layer.after_optimizer_step(context.model)
+
+
+@hookimpl
+def forge_lm_hf_export(model, config):
+    layer = _built_moe_layers()
+    if layer is None or not any(isinstance(m, layer.MoELayer) for m in model.modules()):
+        return None
+    from forge_moe import hf
+
+    return hf.to_mixtral(model, config)
+
+
+@hookimpl
+def forge_lm_hf_import(hf_config, state):
+    if hf_config.get("model_type") != "mixtral":
+        return None
+    from forge_moe import hf
+
+    return hf.from_mixtral(hf_config, state)
