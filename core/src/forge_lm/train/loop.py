@@ -58,83 +58,113 @@ class TrainResult:
     status: str
 
 
-def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
+@attrs.define
+class _Parts:
+    """Everything a run is built from, before anything is written."""
+
+    device: torch.device
+    dtype: torch.dtype | None
+    model: torch.nn.Module
+    forward: Any  # the model, compiled when train.compile is set
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loss_fn: Any
+    train_batches: BatchLoader
+    evaluator: Evaluator | None
+    backends: list[Any]
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: float
+
+
+def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
+    """Build every component from the registry. Raises on any bad config or missing
+    dependency; writes nothing."""
     registry = manager.registry
     device = resolve_device(config.train.device)
     dtype = autocast_dtype(config.train.precision, device)
     seed_everything(config.train.seed)
-
     tokenizer = build(registry, "tokenizers", config.tokenizer)
     vocab_size = _vocab_size(config, tokenizer)
     model = build_model(config.model, vocab_size, registry).to(device)
     optimizer = build(registry, "optimizers", config.optimizer, model)
-    scheduler = build(registry, "schedulers", config.scheduler, optimizer, config.train.max_steps)
     loss_fn = build(registry, "losses", config.loss)
-    train_batches = BatchLoader(
-        build_dataset(config, registry, tokenizer, vocab_size, "train"), config.train.batch_size
-    )
     evaluator = None
     if config.eval.interval:
         eval_data = build_dataset(config, registry, tokenizer, vocab_size, "eval")
         evaluator = Evaluator(eval_data, config.train.batch_size, config.eval.steps, loss_fn, device, dtype)
-    forward = torch.compile(model) if config.train.compile else model
-    tokens_per_step = config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps
-    step_flops = flops_per_token(config.model, active_parameter_count(model), config.train.seq_len)
-    peak = peak_flops(device, dtype, config.metrics.peak_flops)
-    backends = build_metrics_backends(config, registry, Path(config.train.output_dir))
+    return _Parts(
+        device=device,
+        dtype=dtype,
+        model=model,
+        forward=torch.compile(model) if config.train.compile else model,
+        optimizer=optimizer,
+        scheduler=build(registry, "schedulers", config.scheduler, optimizer, config.train.max_steps),
+        loss_fn=loss_fn,
+        train_batches=BatchLoader(
+            build_dataset(config, registry, tokenizer, vocab_size, "train"), config.train.batch_size
+        ),
+        evaluator=evaluator,
+        backends=build_metrics_backends(config, registry, Path(config.train.output_dir)),
+        tokens_per_step=config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps,
+        flops_per_token=flops_per_token(config.model, active_parameter_count(model), config.train.seq_len),
+        peak_flops=peak_flops(device, dtype, config.metrics.peak_flops),
+    )
 
-    # Everything that can fail on a bad config or a missing dependency has run: only now is
-    # the run directory written (or found, to resume), so a failed start leaves nothing behind.
+
+def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
+    parts = _build(config, manager)
+    model, optimizer, backends = parts.model, parts.optimizer, parts.backends
+    # Only now, with everything built, is the run directory written (or found, to resume):
+    # a failed start leaves nothing behind.
     run_dir, resuming = prepare_run_dir(config, manager)
     checkpoints = CheckpointManager(run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save)
-    context = TrainContext(config, run_dir, model, optimizer, scheduler)
+    context = TrainContext(config, run_dir, model, optimizer, parts.scheduler)
     if resuming:  # before any backend starts: plugins get their state back first (a tracker's run id)
-        _restore(checkpoints, context, train_batches, manager)
+        _restore(checkpoints, context, parts.train_batches, manager)
     for backend in backends:
         backend.start(to_data(config), manager.manifest())
     manager.hook.forge_lm_train_start(context=context)
 
-    batches = _on_device(iter(train_batches), device)
+    batches = _on_device(iter(parts.train_batches), parts.device)
     status, loss, bad_steps = "failed", float("nan"), 0
     window_start, window_steps = time.perf_counter(), 0
     try:
         with PreemptionWatcher(config.resilience.signal_timeout) as preemption:
             while context.step < config.train.max_steps:
                 lr = optimizer.param_groups[0]["lr"]
-                loss, grad_norm, aux = _train_step(forward, batches, loss_fn, optimizer, config, device, dtype)
+                loss, grad_norm, aux = _train_step(
+                    parts.forward, batches, parts.loss_fn, optimizer, config, parts.device, parts.dtype
+                )
                 if agree(not (math.isfinite(loss) and math.isfinite(grad_norm))):
                     bad_steps += 1
-                    _handle_bad_step(context, checkpoints, train_batches, manager, loss, grad_norm, bad_steps)
+                    _handle_bad_step(context, checkpoints, parts.train_batches, manager, loss, grad_norm, bad_steps)
                     continue
                 bad_steps = 0
                 optimizer.step()
-                scheduler.step()
+                parts.scheduler.step()
                 context.step += 1
-                context.tokens_seen += tokens_per_step
+                context.tokens_seen += parts.tokens_per_step
                 step, window_steps = context.step, window_steps + 1
+                last = step == config.train.max_steps
 
                 metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **aux}
                 for extra in manager.hook.forge_lm_step_end(context=context, step=step, metrics=dict(metrics)):
                     metrics.update(extra)
-                if step % config.metrics.log_interval == 0 or step == config.train.max_steps:
-                    tokens_per_sec = tokens_per_step * window_steps / (time.perf_counter() - window_start)
+                if step % config.metrics.log_interval == 0 or last:
+                    tokens_per_sec = parts.tokens_per_step * window_steps / (time.perf_counter() - window_start)
                     metrics["tokens_per_sec"] = tokens_per_sec
-                    metrics["mfu"] = mfu(step_flops, tokens_per_sec, peak)
+                    metrics["mfu"] = mfu(parts.flops_per_token, tokens_per_sec, parts.peak_flops)
                     _log(backends, step, metrics)
                     window_start, window_steps = time.perf_counter(), 0
 
-                if evaluator and (step % config.eval.interval == 0 or step == config.train.max_steps):
-                    with _evaluation_mode(model, optimizer):
-                        results = evaluator.run(forward)
-                    for extra in manager.hook.forge_lm_eval_end(context=context, step=step, metrics=dict(results)):
-                        results.update(extra)
-                    _log(backends, step, results)
+                if parts.evaluator and (step % config.eval.interval == 0 or last):
+                    _evaluate(parts, context, manager)
                     window_start = time.perf_counter()  # evaluation time is not training throughput
 
-                interval = config.checkpoint.interval
                 preempted = preemption.requested()
-                if (interval and step % interval == 0) or step == config.train.max_steps or preempted:
-                    _checkpoint(checkpoints, context, train_batches, manager)
+                if _divides(config.checkpoint.interval, step) or last or preempted:
+                    _checkpoint(checkpoints, context, parts.train_batches, manager)
                     window_start = time.perf_counter()
                 if preempted:
                     checkpoints.wait()
@@ -151,6 +181,18 @@ def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
             backend.finish({"final_loss": loss, "steps": context.step})
         checkpoints.close()
     return TrainResult(run_dir, context.step, loss, status)
+
+
+def _divides(interval: int, step: int) -> bool:
+    return bool(interval) and step % interval == 0
+
+
+def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> None:
+    with _evaluation_mode(parts.model, parts.optimizer):
+        results = parts.evaluator.run(parts.forward)
+    for extra in manager.hook.forge_lm_eval_end(context=context, step=context.step, metrics=dict(results)):
+        results.update(extra)
+    _log(parts.backends, context.step, results)
 
 
 def _handle_bad_step(
