@@ -209,9 +209,16 @@ def forge_lm_save_state(context: Any) -> dict[str, Any] | None:
 
 @hookspec
 def forge_lm_load_state(context: Any, state: dict[str, Any]) -> None:
-    """Restore what :func:`forge_lm_save_state` returned when the checkpoint was written."""
+    """Restore what :func:`forge_lm_save_state` returned when the checkpoint was written.
+
+    On resume it runs before any metrics backend's ``start()`` (a tracker can reopen the same
+    remote run) and before :func:`forge_lm_train_start`.
+    """
 
 
 @hookspec
 def forge_lm_train_end(context: Any, status: str) -> None:
-    """The run ends; ``status`` is ``"completed"``, ``"interrupted"`` or ``"failed"``."""
+    """The run ends; ``status`` is ``"completed"``, ``"interrupted"`` or ``"failed"``.
+
+    Runs before the metrics backends' ``finish()``.
+    """

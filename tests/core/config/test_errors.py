@@ -295,18 +295,23 @@ def _wandb() -> str:
     return f"plugin 'wandb' (forge-wandb {importlib.metadata.version('forge-wandb')})"
 
 
-def _muon() -> str:
-    return f"plugin 'muon' (forge-optim-muon {importlib.metadata.version('forge-optim-muon')})"
+def test_first_party_components_validate_once_their_plugins_are_loaded(load):
+    config = load(
+        None, '--metrics.backends=["wandb"]', "--optimizer.name=muon", manager=PluginManager(PluginSettings())
+    )
+    assert (config.metrics.backends[0].name, config.optimizer.name) == ("wandb", "muon")
 
 
-def test_wandb_backend_with_the_installed_stub_loaded_says_the_package_does_not_provide_it_yet(builtins, error):
-    # The forge-wandb stub is installed and loads, but registers nothing yet.
-    message = error(None, '--metrics.backends=["wandb"]', manager=PluginManager(PluginSettings()))
-    assert message.splitlines()[1:] == [
-        f"Available metrics backends: {available(builtins, 'metrics_backends')}.",
-        f"Installed plugins offering metrics backends: plugin 'core.metrics' ({CORE}).",
-        f"{_wandb()} is installed but does not provide it; a newer release may: pip install --upgrade forge-wandb",
-    ]
+def test_an_installed_provider_that_lacks_the_component_is_told_to_upgrade(error, fake_site, monkeypatch):
+    from forge_lm.plugins import _hints
+
+    monkeypatch.setitem(_hints.KNOWN_PROVIDERS, "optimizers", {"zeta": "forge-zeta"})
+    fake_site.install("forge-zeta", 'FORGE_LM_PLUGIN_API = ">=1,<2"\n', version="0.1")
+    message = error(None, "--optimizer.name=zeta", manager=PluginManager(PluginSettings(allow=("zeta",))))
+    assert message.splitlines()[-1] == (
+        "plugin 'zeta' (forge-zeta 0.1) is installed but does not provide it; a newer release may: "
+        "pip install --upgrade forge-zeta"
+    )
 
 
 def test_wandb_backend_with_autoloading_off_says_the_installed_plugin_is_disabled(builtins, error):
@@ -317,15 +322,6 @@ def test_wandb_backend_with_autoloading_off_says_the_installed_plugin_is_disable
         f"{_wandb()} is installed but disabled: plugin autoloading is off "
         "(FORGE_LM_DISABLE_PLUGIN_AUTOLOAD or --no-plugin-autoload). Enable it to use its components.",
     ]
-
-
-def test_muon_optimizer_with_the_installed_stub_loaded_gives_the_whole_message(builtins, error):
-    assert error(None, "--optimizer.name=muon", manager=PluginManager(PluginSettings())) == (
-        "[optimizer] name = 'muon': unknown optimizer 'muon'.\n"
-        f"Available optimizers: {available(builtins, 'optimizers')}.\n"
-        f"Installed plugins offering optimizers: plugin 'core.optimizers' ({CORE}).\n"
-        f"{_muon()} is installed but does not provide it; a newer release may: pip install --upgrade forge-optim-muon"
-    )
 
 
 def test_a_component_qualified_by_the_wrong_distribution_names_the_real_provider(error):

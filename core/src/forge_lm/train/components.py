@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from forge_lm.components import DataContext, MetricsContext
@@ -38,5 +39,5 @@ def build_dataset(
 
 
 def build_metrics_backends(config: ForgeConfig, registry: Registry, run_dir: Any) -> list[Any]:
-    context = MetricsContext(run_dir=run_dir, run_name=str(run_dir), total_steps=config.train.max_steps)
+    context = MetricsContext(run_dir=run_dir, run_name=Path(run_dir).name, total_steps=config.train.max_steps)
     return [build(registry, "metrics_backends", chosen, context) for chosen in config.metrics.backends]
