@@ -9,7 +9,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 PACKAGES := core plugins/forge-moe plugins/forge-optim-muon plugins/forge-wandb
 STAMP := $(VENV)/.forge-installed
 
-.PHONY: setup demo test lint format clean
+.PHONY: setup demo test lint format clean dist
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,16 @@ lint: setup
 format: setup
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
+
+# A wheel and an sdist of the core and of every first-party plugin, into $(DIST) (emptied first):
+# the files a user installs with pip install --find-links dist/ forge-moe. Each is built with the
+# set-up's setuptools (no isolated build environment, so no download); tests/packaging checks them.
+# `make dist DIST=elsewhere` builds elsewhere; an environment variable DIST is ignored on purpose.
+DIST := dist
+
+dist: setup
+	rm -rf $(DIST)
+	for package in $(PACKAGES); do $(PY) -m build --no-isolation --outdir $(DIST) $$package || exit 1; done
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .ruff_cache

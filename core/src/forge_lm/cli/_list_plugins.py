@@ -1,11 +1,21 @@
-"""``forge list-plugins``: every plugin seen, its status, and what it registers."""
+"""``forge list-plugins``: every plugin seen, its status, and what it registers.
+
+``--requirements`` prints instead one pinned requirement line per installed Forge
+distribution (the core first, then every distribution with a plugin entry point, whatever
+its status), so ``pip install -r`` of the output rebuilds the set after an upgrade or in a
+new environment.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import shutil
 
-from forge_lm.plugins import CATEGORIES, PluginManager, PluginStatus
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
+from forge_lm.plugins import CATEGORIES, CORE_DISTRIBUTION, PluginManager, PluginStatus, core_version
 
 HELP = "show installed plugins and their components"
 TAKES_OVERRIDES = False
@@ -14,12 +24,78 @@ TAKES_OVERRIDES = False
 def add_arguments(parser) -> None:
     from forge_lm.cli._main import add_plugin_switches
 
-    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print JSON for scripts")
+    output.add_argument(
+        "--requirements",
+        action="store_true",
+        help="print pinned requirement lines (forge-moe==0.1.0) of the core and every installed plugin, "
+        "for pip install -r",
+    )
     add_plugin_switches(parser, after_command=True)
 
 
 def run(args, overrides, plugins) -> int:
+    if args.requirements:
+        print("\n".join(requirement_lines(plugins())))
+        return 0
     return list_plugins(plugins(), as_json=args.json)
+
+
+def requirement_lines(manager: PluginManager) -> list[str]:
+    """``forge-lm[hf]==0.1.0``, then ``forge-moe==0.1.0`` ...: the installed Forge distributions, pinned.
+
+    Every distribution that provides a plugin is listed, loaded or not (a disabled, broken or
+    incompatible plugin is still installed). An extra is kept when everything it requires is
+    installed, so ``forge-lm[hf]`` comes back with the Hugging Face components.
+    """
+    lines = [_pinned(CORE_DISTRIBUTION, core_version())]
+    seen = {canonicalize_name(CORE_DISTRIBUTION)}
+    third_party = sorted((p for p in manager.plugins if not p.builtin), key=lambda p: canonicalize_name(p.distribution))
+    for plugin in third_party:
+        key = canonicalize_name(plugin.distribution)
+        if key in seen:
+            continue
+        seen.add(key)
+        if plugin.version == "?":  # an entry point whose distribution metadata cannot be read
+            lines.append(f"# plugin '{plugin.name}' ({plugin.module}): its distribution is unknown, pin it by hand")
+        else:
+            lines.append(_pinned(plugin.distribution, plugin.version))
+    return lines
+
+
+def _pinned(distribution: str, version: str) -> str:
+    extras = _installed_extras(distribution)
+    return f"{distribution}{'[' + ','.join(extras) + ']' if extras else ''}=={version}"
+
+
+def _installed_extras(distribution: str) -> list[str]:
+    """The extras of ``distribution`` whose every requirement is installed in a matching version."""
+    try:
+        metadata = importlib.metadata.metadata(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    requirements = []
+    for line in metadata.get_all("Requires-Dist") or []:
+        try:
+            requirements.append(Requirement(line))
+        except InvalidRequirement:
+            continue
+    extras = []
+    for extra in sorted(set(metadata.get_all("Provides-Extra") or [])):
+        needed = [r for r in requirements if r.marker is not None and r.marker.evaluate({"extra": extra})]
+        needed = [r for r in needed if not r.marker.evaluate({"extra": ""})]  # not needed by every install anyway
+        if needed and all(_satisfied(r) for r in needed):
+            extras.append(extra)
+    return extras
+
+
+def _satisfied(requirement: Requirement) -> bool:
+    try:
+        version = importlib.metadata.version(requirement.name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return requirement.specifier.contains(version, prereleases=True)
 
 
 _STYLE = {

@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "plot": "forge_lm.cli._plot",
     "list-plugins": "forge_lm.cli._list_plugins",
     "config": "forge_lm.cli._config",
+    "doctor": "forge_lm.cli._doctor",
 }
 
 

@@ -1,0 +1,419 @@
+"""``forge doctor``: each check finds what is wrong, names the fix, and sets the exit code.
+
+The command runs in-process (``main([...])``) so that a broken environment can be simulated
+with monkeypatch: another torch version, a missing dependency, a GPU without NCCL, an
+unwritable directory (tests run as root, so chmod cannot make one). Plugins are fake installed
+distributions (the ``fake_site`` fixture); ``--no-plugin-autoload`` or ``--plugins`` keeps the
+real installed plugins out of the verdict.
+"""
+
+from __future__ import annotations
+
+import email.message
+import json
+import textwrap
+
+import pytest
+import torch
+
+from forge_lm.cli import _doctor
+from forge_lm.cli._main import main
+
+REAL_METADATA = _doctor._distribution_metadata
+
+
+@pytest.fixture(autouse=True)
+def _a_cpu_machine(monkeypatch):
+    """Every test starts on a CPU-only machine with no sign of a GPU, whatever runs it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(_doctor, "_gpu_hint", lambda: None)
+
+
+@pytest.fixture
+def doctor(capsys, tmp_path):
+    """``forge doctor --json ARGS`` (run directory in tmp_path unless given): (exit code, rows by check)."""
+
+    def run(*args: str) -> tuple[int, dict[str, tuple[str, str]]]:
+        argv = ["doctor", "--json", *args]
+        if "--run-dir" not in args and not any(a.startswith("--train.output_dir=") for a in args):
+            argv += ["--run-dir", str(tmp_path / "run")]
+        code = main(argv)
+        report = json.loads(capsys.readouterr().out)
+        rows = {row["check"]: (row["status"], row["detail"]) for row in report["checks"]}
+        assert len(rows) == len(report["checks"])  # every check has its own name
+        assert report["ok"] is (code == 0)
+        return code, rows
+
+    return run
+
+
+def _with_core_metadata(monkeypatch, *, requires_python: str = ">=3.11", requires: tuple[str, ...] = ()):
+    """Pretend the installed forge-lm declares these requirements."""
+    fake = email.message.Message()
+    fake["Name"] = "forge-lm"
+    fake["Requires-Python"] = requires_python
+    for line in requires:
+        fake["Requires-Dist"] = line
+    monkeypatch.setattr(
+        _doctor, "_distribution_metadata", lambda name: fake if name == "forge-lm" else REAL_METADATA(name)
+    )
+
+
+def _statuses(rows):
+    return {check: status for check, (status, _) in rows.items()}
+
+
+# -- a healthy environment ----------------------------------------------------------------------
+
+
+def test_healthy_cpu_environment_passes_every_check_with_exit_0(doctor):
+    code, rows = doctor("--no-plugin-autoload")
+
+    assert code == 0
+    assert _statuses(rows) == {
+        "python": "ok",
+        "torch": "ok",
+        "dependencies": "ok",
+        "gpu": "ok",
+        "distributed": "ok",
+        "core plugins": "ok",
+        "plugin moe": "ok",  # installed but disabled by the switch: deliberate, so fine
+        "plugin muon": "ok",
+        "plugin wandb": "ok",
+        "config": "ok",
+        "device": "ok",
+        "run directory": "ok",
+        "disk": "ok",
+        "cache directory": "ok",
+    }
+    assert rows["gpu"][1] == "CPU only (no GPU found): training runs on the CPU"
+    assert rows["distributed"][1].startswith("backends: gloo")
+    assert rows["torch"][1].startswith(f"torch {torch.__version__} ")
+    assert "forge-lm requires torch" in rows["torch"][1]
+    assert rows["plugin moe"][1].startswith("forge-moe 0.1.0: disabled (")
+
+
+def test_report_is_a_table_of_checks_ending_with_the_verdict(capsys, tmp_path):
+    assert main(["doctor", "--no-plugin-autoload", "--run-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for heading in ("Check", "Status", "Detail", "python", "torch", "distributed", "run directory", "disk"):
+        assert heading in out
+    assert out.rstrip().endswith("ready to train: every check passed.")
+
+
+# -- Python, torch, dependencies ----------------------------------------------------------------
+
+
+def test_python_outside_the_cores_requires_python_fails(doctor, monkeypatch):
+    _with_core_metadata(monkeypatch, requires_python=">=3.99", requires=("torch>=2",))
+
+    code, rows = doctor("--no-plugin-autoload")
+
+    assert code == 1
+    status, detail = rows["python"]
+    assert status == "fail"
+    assert "forge-lm requires Python >=3.99" in detail
+    assert "Fix: create the environment with a Python >=3.99 interpreter" in detail
+
+
+def test_torch_outside_the_declared_range_fails_with_the_pip_command(doctor, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+
+    code, rows = doctor("--no-plugin-autoload")
+
+    assert code == 1
+    status, detail = rows["torch"]
+    assert status == "fail"
+    assert detail.startswith("torch 2.5.1 (CPU build), but forge-lm requires torch<3,>=2.6.")
+    assert "Fix: pip install 'torch<3,>=2.6'" in detail
+
+
+def test_missing_or_too_old_core_dependency_fails_naming_each(doctor, monkeypatch):
+    _with_core_metadata(monkeypatch, requires=("torch>=2", "pluggy>=99", "forge-doctor-absent-package>=1"))
+
+    code, rows = doctor("--no-plugin-autoload")
+
+    assert code == 1
+    status, detail = rows["dependencies"]
+    assert status == "fail"
+    assert "pluggy>=99 (1." in detail  # the installed version is shown
+    assert "forge-doctor-absent-package>=1 (not installed)" in detail
+    assert detail.endswith("Fix: pip install 'pluggy>=99' 'forge-doctor-absent-package>=1'")
+
+
+# -- GPU, NCCL, torch.distributed ---------------------------------------------------------------
+
+
+def _a_gpu(monkeypatch, *, nccl: bool) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: nccl)
+
+
+def test_gpu_with_nccl_passes(doctor, monkeypatch):
+    _a_gpu(monkeypatch, nccl=True)
+
+    code, rows = doctor("--no-plugin-autoload", "--train.device=cpu")
+
+    assert code == 0
+    assert rows["gpu"] == ("ok", "2 GPU(s): NVIDIA H100 80GB HBM3; CUDA 12.8")
+    assert rows["distributed"] == ("ok", "backends: gloo, nccl 2.27.3")
+
+
+def test_gpu_without_nccl_fails_naming_the_fix(doctor, monkeypatch):
+    _a_gpu(monkeypatch, nccl=False)
+
+    code, rows = doctor("--no-plugin-autoload", "--train.device=cpu")
+
+    assert code == 1
+    status, detail = rows["distributed"]
+    assert status == "fail"
+    assert "runs on GPUs communicate through NCCL, which this torch build lacks" in detail
+    assert "Fix: install an official CUDA build of torch" in detail
+
+
+def test_gpu_without_bf16_warns_to_use_fp32(doctor, monkeypatch):
+    _a_gpu(monkeypatch, nccl=True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+
+    code, rows = doctor("--no-plugin-autoload", "--train.device=cpu")
+
+    assert code == 0  # warnings do not fail
+    assert rows["gpu"][0] == "warning"
+    assert "--train.precision=fp32" in rows["gpu"][1]
+
+
+def test_gpu_that_torch_cannot_use_is_a_warning_naming_the_cause(doctor, monkeypatch):
+    monkeypatch.setattr(_doctor, "_gpu_hint", lambda: "/dev/nvidiactl exists")
+    monkeypatch.setattr(torch.version, "cuda", None)
+
+    code, rows = doctor("--no-plugin-autoload")
+
+    assert code == 0
+    status, detail = rows["gpu"]
+    assert status == "warning"
+    assert detail.startswith(
+        f"a GPU seems present (/dev/nvidiactl exists) but torch cannot use it: torch {torch.__version__} is a CPU build"
+    )
+    assert "Fix: install the torch build for this machine's CUDA driver" in detail
+
+
+def test_torch_without_distributed_fails(doctor, monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
+
+    code, rows = doctor("--no-plugin-autoload")
+
+    assert code == 1
+    assert rows["distributed"][0] == "fail"
+    assert "no torch.distributed, which checkpoints and multi-process runs need" in rows["distributed"][1]
+
+
+def test_cpu_torch_without_gloo_fails(doctor, monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_gloo_available", lambda: False)
+
+    code, rows = doctor("--no-plugin-autoload")
+
+    assert code == 1
+    assert rows["distributed"] == (
+        "fail",
+        "backends: none; CPU runs communicate through gloo, which this torch build lacks. "
+        "Fix: install an official torch build (pip install torch)",
+    )
+
+
+def test_config_asking_for_a_missing_cuda_device_fails(doctor):
+    code, rows = doctor("--no-plugin-autoload", "--train.device=cuda")
+
+    assert code == 1
+    assert rows["device"] == (
+        "fail",
+        "[train] device: 'cuda' asked for, but CUDA is not available; use 'cpu' or 'auto'.",
+    )
+
+
+# -- plugins and the config ---------------------------------------------------------------------
+
+
+def test_broken_plugin_fails_with_reinstall_uninstall_or_block(doctor, fake_site):
+    fake_site.install("forge-doctorbroken", "import forge_doctor_no_such_module\n")
+
+    code, rows = doctor("--plugins", "doctorbroken")
+
+    assert code == 1
+    status, detail = rows["plugin doctorbroken"]
+    assert status == "fail"
+    assert detail.startswith("forge-doctorbroken 1.0 is broken: import failed: ModuleNotFoundError")
+    assert detail.endswith(
+        "Fix: reinstall it with its dependencies (pip install --force-reinstall forge-doctorbroken), "
+        "uninstall it (pip uninstall forge-doctorbroken), or run without it (--block-plugin doctorbroken)"
+    )
+
+
+def test_incompatible_plugin_fails_with_upgrade_or_uninstall(doctor, fake_site):
+    fake_site.install("forge-doctorold", 'FORGE_LM_PLUGIN_API = ">=2,<3"\n', version="3.0")  # made for a future core
+
+    code, rows = doctor("--plugins", "doctorold")
+
+    assert code == 1
+    status, detail = rows["plugin doctorold"]
+    assert status == "fail"
+    assert detail.startswith("forge-doctorold 3.0 is incompatible: supports plugin API >=2,<3 but this core provides")
+    assert detail.endswith("Fix: pip install --upgrade forge-doctorold, or pip uninstall forge-doctorold")
+
+
+def test_plugin_whose_distribution_requires_another_core_fails(doctor, fake_site):
+    source = textwrap.dedent(
+        """
+        from forge_lm import hookimpl
+        FORGE_LM_PLUGIN_API = ">=1,<2"
+        """
+    )
+    fake_site.install("forge-doctorpinned", source, version="0.9")
+    metadata = fake_site.root / "forge_doctorpinned-0.9.dist-info" / "METADATA"
+    metadata.write_text(metadata.read_text() + "Requires-Dist: forge-lm<0.1,>=0.0.1\n")
+
+    code, rows = doctor("--plugins", "doctorpinned")
+
+    assert code == 1
+    status, detail = rows["plugin doctorpinned"]
+    assert status == "fail"
+    assert detail.startswith("forge-doctorpinned 0.9 needs forge-lm<0.1,>=0.0.1 (0.1.0 installed).")
+    assert "Fix: pip install --upgrade forge-doctorpinned" in detail
+
+
+def test_healthy_fake_plugin_is_ok_with_its_components(doctor, fake_site):
+    source = textwrap.dedent(
+        """
+        from forge_lm import hookimpl
+        FORGE_LM_PLUGIN_API = ">=1,<2"
+
+        @hookimpl
+        def forge_lm_register_losses(register):
+            register("doctor_loss", "forge_doctorgood:build", description="A loss for the doctor's tests")
+        """
+    )
+    fake_site.install("forge-doctorgood", source)
+
+    code, rows = doctor("--plugins", "doctorgood")
+
+    assert code == 0
+    assert rows["plugin doctorgood"] == ("ok", "forge-doctorgood 1.0: 1 component(s)")
+
+
+def test_switch_naming_no_installed_plugin_is_a_warning(doctor):
+    code, rows = doctor("--no-plugin-autoload", "--block-plugin", "doctor-nonexistent")
+
+    assert code == 0
+    assert rows["plugin switches"][0] == "warning"
+    assert "'doctor-nonexistent', which is not an installed plugin" in rows["plugin switches"][1]
+
+
+def test_invalid_config_fails_with_its_message_and_checks_the_current_directory(doctor, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "bad.toml"
+    config.write_text("[model]\nn_head = 8\n")
+
+    code, rows = doctor("--no-plugin-autoload", str(config), "--run-dir", ".")
+
+    assert code == 1
+    status, detail = rows["config"]
+    assert status == "fail"
+    assert detail.startswith(f"{config}: [model] n_head: unknown key. Did you mean 'n_heads'?")
+    assert "device" not in rows  # nothing to check without a valid config
+    assert rows["run directory"] == ("ok", ". is writable")
+
+
+def test_config_using_a_disabled_plugins_component_fails_saying_so(doctor):
+    code, rows = doctor("--no-plugin-autoload", "--optimizer.name=muon")
+
+    assert code == 1
+    status, detail = rows["config"]
+    assert status == "fail"
+    assert "the default config with 1 override(s): [optimizer] name = 'muon': unknown optimizer 'muon'" in detail
+    assert "plugin 'muon' (forge-optim-muon 0.1.0) is installed but disabled" in detail
+
+
+# -- run directory, disk, writable paths ---------------------------------------------------------
+
+
+def test_run_directory_defaults_to_the_configs_output_dir(doctor, tmp_path):
+    out = tmp_path / "runs" / "mine"
+
+    code, rows = doctor("--no-plugin-autoload", f"--train.output_dir={out}")
+
+    assert code == 0
+    assert rows["run directory"] == ("ok", f"{out} will be created in {tmp_path}")
+    assert rows["disk"][1].endswith(f"GiB free at {tmp_path}")
+
+
+def test_run_directory_that_cannot_be_created_fails(doctor, tmp_path):
+    (tmp_path / "a-file").write_text("")
+
+    code, rows = doctor("--no-plugin-autoload", "--run-dir", str(tmp_path / "a-file" / "run"))
+
+    assert code == 1
+    assert rows["run directory"] == (
+        "fail",
+        f"{tmp_path / 'a-file' / 'run'} cannot be created: {tmp_path / 'a-file'} is not a directory. "
+        "Fix: choose another --train.output_dir",
+    )
+    assert "disk" not in rows
+
+
+def test_run_directory_that_is_a_file_fails(doctor, tmp_path):
+    (tmp_path / "run").write_text("")
+
+    code, rows = doctor("--no-plugin-autoload", "--run-dir", str(tmp_path / "run"))
+
+    assert code == 1
+    assert rows["run directory"][1].startswith(f"{tmp_path / 'run'} exists and is not a directory.")
+
+
+def test_unwritable_run_directory_fails_naming_the_fix(doctor, tmp_path, monkeypatch):
+    def refuse(directory):
+        if directory == tmp_path:
+            raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(_doctor, "_probe_writable", refuse)
+
+    code, rows = doctor("--no-plugin-autoload", "--run-dir", str(tmp_path / "run"))
+
+    assert code == 1
+    assert rows["run directory"] == (
+        "fail",
+        f"{tmp_path / 'run'}: cannot write in {tmp_path}: Permission denied. "
+        "Fix: choose a writable --train.output_dir, or give this user write access",
+    )
+
+
+def test_little_free_disk_is_a_warning_with_exit_0(doctor):
+    code, rows = doctor("--no-plugin-autoload", "--min-free-gib", "1e12")
+
+    assert code == 0
+    status, detail = rows["disk"]
+    assert status == "warning"
+    assert "under 1e+12 GiB: checkpoints may not fit" in detail
+    assert "checkpoint.keep_last_n" in detail
+
+
+def test_unwritable_cache_directory_is_a_warning(doctor, tmp_path, monkeypatch):
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-dir"))
+
+    code, rows = doctor("--no-plugin-autoload")
+
+    assert code == 0
+    status, detail = rows["cache directory"]
+    assert status == "warning"
+    assert detail.startswith(f"{tmp_path / 'not-a-dir' / 'forge_lm'}: not a directory;")
+    assert "Fix: set XDG_CACHE_HOME to a writable directory" in detail
+
+
+def test_doctor_is_a_forge_command():
+    from forge_lm.cli._main import build_parser
+
+    assert "doctor" in build_parser().format_help()
