@@ -272,7 +272,9 @@ def test_allowlist_variable_loads_only_the_named_plugins_even_with_autoload_off(
 
 
 def test_blocklist_variable_can_block_a_builtin_and_then_its_component_is_refused(forge_cli):
-    result = forge_cli("config", "validate", env={"FORGE_LM_BLOCK_PLUGINS": "core.optimizers"})
+    # Third-party plugins off, so that no installed plugin (forge-optim-muon) offers an optimizer.
+    env = {"FORGE_LM_BLOCK_PLUGINS": "core.optimizers", "FORGE_LM_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    result = forge_cli("config", "validate", env=env)
 
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
