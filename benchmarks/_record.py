@@ -1,16 +1,25 @@
-"""Shared by the benchmarks: describe the machine, save a result, rebuild RESULTS.md.
+"""Shared by the benchmarks: describe the machine, time alternating work, save a result, rebuild RESULTS.md.
 
 Each benchmark writes ``results/<name>.json``; ``RESULTS.md`` is regenerated from all of them,
 so it always shows the latest recorded run of every benchmark with its machine and command.
+Its first section, "Headline ratios", gathers the key ratio of each benchmark in one table
+(a benchmark names its own with ``save(..., headline=[...])``; :data:`DERIVED_HEADLINES`
+derives one for records written without).
+
+``python benchmarks/_record.py`` only regenerates ``RESULTS.md`` from the JSON files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import platform
+import statistics
 import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +28,80 @@ RESULTS = HERE / "results"
 
 
 def machine() -> dict[str, Any]:
-    info = {
+    info: dict[str, Any] = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
     }
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError, AttributeError):
+        info["load_average"] = [round(value, 2) for value in os.getloadavg()]  # a busy machine shows here
     try:
         import importlib.metadata
 
         info["torch"] = importlib.metadata.version("torch")
     except Exception:  # noqa: BLE001 - the description is best-effort
         info["torch"] = "not installed"
+    if "torch" in sys.modules:  # only when the benchmark imported it: describing must not cost an import
+        torch = sys.modules["torch"]
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
     return info
 
 
-def save(name: str, command: str, rows: list[dict[str, Any]], notes: str = "") -> Path:
+def alternate(
+    variants: dict[str, Callable[[], float]], rounds: int, warmup: int, on_round: Callable[[int], None] | None = None
+) -> dict[str, list[float]]:
+    """Run each variant once per round, in turn, ``warmup + rounds`` times; the samples after warm-up.
+
+    A variant returns its own measurement (seconds, or any number); alternating round by round
+    makes a drifting machine load hit every variant alike.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(warmup + rounds):
+        for name, run in variants.items():
+            value = run()
+            if round_index >= warmup:
+                samples[name].append(value)
+        if on_round is not None:
+            on_round(round_index)
+    return samples
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def timed(function: Callable[[], Any]) -> float:
+    """Wall seconds of one call."""
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def save(
+    name: str,
+    command: str,
+    rows: list[dict[str, Any]],
+    notes: str = "",
+    *,
+    tables: dict[str, list[dict[str, Any]]] | None = None,
+    headline: list[dict[str, Any]] | None = None,
+) -> Path:
+    """Write ``results/<name>.json`` and regenerate ``RESULTS.md``.
+
+    ``tables``: further tables, titled by their keys, shown after ``rows``. ``headline``: the
+    benchmark's key ratios for RESULTS.md's first table, each ``{"measure": str, "value":
+    float, "meaning": str}``.
+    """
     RESULTS.mkdir(exist_ok=True)
-    record = {
+    record: dict[str, Any] = {
         "benchmark": name,
         "command": command,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -44,36 +109,104 @@ def save(name: str, command: str, rows: list[dict[str, Any]], notes: str = "") -
         "notes": notes,
         "rows": rows,
     }
+    if tables:
+        record["tables"] = tables
+    if headline:
+        record["headline"] = headline
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     write_results_md()
     return path
 
 
+def _startup_headline(record: dict[str, Any]) -> list[dict[str, Any]]:
+    found = []
+    for row in record["rows"]:
+        if row.get("command") in ("forge --help", "forge list-plugins"):
+            found.append(
+                {
+                    "measure": f"`{row['command']}` / `python -c 'import torch'` (wall time)",
+                    "value": row["x_import_torch"],
+                    "meaning": "below 1: the command imports no torch",
+                }
+            )
+    return found
+
+
+# Headlines of records whose script does not name one.
+DERIVED_HEADLINES: dict[str, Callable[[dict[str, Any]], list[dict[str, Any]]]] = {"startup": _startup_headline}
+
+
+def headlines(record: dict[str, Any]) -> list[dict[str, Any]]:
+    if record.get("headline"):
+        return record["headline"]
+    derive = DERIVED_HEADLINES.get(record["benchmark"])
+    try:
+        return derive(record) if derive else []
+    except (KeyError, TypeError):  # a record of another shape: no headline rather than no RESULTS.md
+        return []
+
+
 def write_results_md() -> None:
-    lines = ["# Benchmark results", "", "Regenerated from `benchmarks/results/*.json` by each benchmark run.", ""]
-    for path in sorted(RESULTS.glob("*.json")):
-        record = json.loads(path.read_text())
+    records = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))]
+    lines = [
+        "# Benchmark results",
+        "",
+        "Regenerated from `benchmarks/results/*.json` by each benchmark run "
+        "(`python benchmarks/run_all.py` reruns all of them). Every number is a median of "
+        "alternating repetitions against the named baseline in the same process run; see each "
+        "section for the machine, the command and the load average when it ran.",
+        "",
+    ]
+    headline_rows = [(record, item) for record in records for item in headlines(record)]
+    if headline_rows:
+        lines += ["## Headline ratios", "", "| benchmark | measure | value | meaning |", "|---|---|---|---|"]
+        for record, item in headline_rows:
+            lines.append(
+                f"| [{record['benchmark']}](#{record['benchmark']}) | {item['measure']} | "
+                f"{_cell(item['value'])} | {item.get('meaning', '')} |"
+            )
+        lines.append("")
+    for record in records:
         m = record["machine"]
+        cpu = m.get("cpu_model") or m["processor"]
+        extra = ""
+        if m.get("torch_threads"):
+            extra += f", {m['torch_threads']} torch threads"
+        if m.get("gpu"):
+            extra += f", GPU {m['gpu']}"
+        if m.get("load_average"):
+            extra += f", load average {' / '.join(str(v) for v in m['load_average'])} (1/5/15 min) at the end"
         lines += [
             f"## {record['benchmark']}",
             "",
-            f"`{record['command']}`, {record['date']}, on {m['cpus']} CPUs ({m['processor']}), "
+            f"`{record['command']}`, {record['date']}, on {m['cpus']} CPUs ({cpu}){extra}, "
             f"Python {m['python']}, torch {m['torch']}, {m['platform']}.",
             "",
         ]
         if record["notes"]:
             lines += [record["notes"], ""]
-        columns = list(record["rows"][0])
-        lines.append("| " + " | ".join(columns) + " |")
-        lines.append("|" + "---|" * len(columns))
-        for row in record["rows"]:
-            lines.append("| " + " | ".join(_cell(row[c]) for c in columns) + " |")
-        lines.append("")
+        lines += _table(record["rows"])
+        for title, rows in (record.get("tables") or {}).items():
+            lines += [f"**{title}**", "", *_table(rows)]
     (HERE / "RESULTS.md").write_text("\n".join(lines))
 
 
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return ["(no rows)", ""]
+    columns = list(rows[0])
+    for row in rows[1:]:  # rows may add columns; keep the first row's order
+        columns += [c for c in row if c not in columns]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |")
+    return [*lines, ""]
+
+
 def _cell(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 

@@ -43,14 +43,16 @@ class MoEOptions:
     every_n_layers: int = attrs.field(default=1, validator=positive)  # MoE in every n-th block ...
     first_moe_layer: int = attrs.field(default=0, validator=non_negative)  # ... starting at this block index
     expert_kernel: str = attrs.field(default="auto", validator=one_of("auto", "grouped_mm", "padded", "loop"))
-    router: ComponentConfig = component("routers", "softmax_topk", "Router of the MoE layers; its options in [model.ffn.router].")
+    router: ComponentConfig = component(
+        "routers", "softmax_topk", "Router of the MoE layers; its options in [model.ffn.router]."
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.top_k > self.n_experts:
             raise FieldError("top_k", f"must be at most n_experts ({self.n_experts}), got {self.top_k}")
 
     def is_moe_layer(self, layer_index: int) -> bool:
-        """Block ``i`` is an MoE layer iff ``i >= first_moe_layer`` and ``(i - first_moe_layer) % every_n_layers == 0``."""
+        """Block ``i`` is MoE iff ``i >= first_moe_layer`` and ``(i - first_moe_layer) % every_n_layers == 0``."""
         offset = layer_index - self.first_moe_layer
         return offset >= 0 and offset % self.every_n_layers == 0
 
