@@ -130,7 +130,9 @@ def forge_lm_register_feed_forwards(register: Any) -> None:
 def forge_lm_register_routers(register: Any) -> None:
     """Register token-to-expert routers for mixture-of-experts layers.
 
-    The MoE layer that uses routers defines their call contract; the core only keeps the
+    The MoE layer that uses routers defines their call contract (forge-moe documents it:
+    ``factory(options, dim, n_experts, top_k)``, and a router maps ``[batch, seq, dim]`` to
+    expert indices, combine weights and weighted auxiliary losses); the core only keeps the
     category so that any plugin can add a router and any config can name one.
     """
 

@@ -15,11 +15,14 @@ def add_arguments(parser) -> None:
 
 
 def run(args, overrides, plugins) -> int:
+    import json
+
     from forge_lm.checkpoint import load_for_inference
     from forge_lm.model.hf import export_with_plugins
 
     manager = plugins()
     model, config, tokenizer = load_for_inference(args.checkpoint, manager)
-    export_with_plugins(manager, model, config.model, args.output, eos_id=tokenizer.eos_id)
-    print(f"wrote a Hugging Face Llama model to {args.output}")
+    out = export_with_plugins(manager, model, config.model, args.output, eos_id=tokenizer.eos_id)
+    architecture = json.loads((out / "config.json").read_text()).get("architectures", ["model"])[0]
+    print(f"wrote a Hugging Face {architecture} to {out}")
     return 0

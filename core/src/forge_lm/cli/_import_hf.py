@@ -24,7 +24,7 @@ def run(args, overrides, plugins) -> int:
     from pathlib import Path
 
     from forge_lm.checkpoint import CheckpointManager
-    from forge_lm.config import merge, parse_overrides, structure_config
+    from forge_lm.config import TrainSection, merge, parse_overrides, structure_config
     from forge_lm.errors import ConfigError
     from forge_lm.model import build_model
     from forge_lm.model.hf import import_with_plugins
@@ -34,7 +34,8 @@ def run(args, overrides, plugins) -> int:
     hf_dir = Path(args.hf_dir)
     manager = plugins()
     model_table, state = import_with_plugins(manager, hf_dir)
-    layers = {"model": model_table}
+    # The default training sequence length may exceed what a small imported model accepts.
+    layers = {"model": model_table, "train": {"seq_len": min(TrainSection().seq_len, model_table["max_seq_len"])}}
     if (hf_dir / "tokenizer.json").is_file():
         layers["tokenizer"] = {"name": "hf", "path": str(hf_dir / "tokenizer.json")}
     config = structure_config(merge(layers, parse_overrides(overrides)), manager.registry)

@@ -47,6 +47,12 @@ def collect_aux() -> Iterator[AuxCollector]:
         _ACTIVE.reset(token)
 
 
+def collecting() -> bool:
+    """Whether a training step is collecting reports now: modules may skip computing statistics
+    (and the device syncs they cost) when nothing would receive them."""
+    return _ACTIVE.get() is not None
+
+
 def report_aux_loss(name: str, value: torch.Tensor) -> None:
     """Add ``value`` (a weighted scalar, part of the graph) to the training loss under ``name``."""
     collector = _ACTIVE.get()

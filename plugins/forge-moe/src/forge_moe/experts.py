@@ -1,0 +1,173 @@
+"""Packed experts: dispatch with a capacity limit, and the SwiGLU of every expert at once.
+
+The experts' weights are stacked, one tensor per projection, in ``nn.Linear``'s layout per
+expert: ``w1`` (gate) and ``w3`` (up) ``[E, hidden, dim]``, ``w2`` (down) ``[E, dim, hidden]``.
+The routed (token, expert) assignments are sorted by expert, so each expert's rows are
+contiguous, and the three projections run over all experts together:
+
+- ``grouped_mm``: ``torch._grouped_mm`` with the experts' row offsets (one kernel per projection);
+- ``padded``: rows scattered into a ``[E, rows of the busiest expert (or the capacity), dim]``
+  buffer and ``torch.bmm``; the padding is computed and thrown away;
+- ``loop``: one matmul per expert, a Python loop; the reference the others are tested against.
+
+Capacity rule (:func:`dispatch`): with capacity ``C``, each expert keeps at most ``C`` of the
+assignments routed to it, in priority order: first choices before second choices (the
+``j``-th column of the router's indices before column ``j + 1``), then token order in the
+flattened ``[batch * seq]`` input; the rest are dropped and contribute nothing (the token
+keeps its other experts, its shared experts and the residual).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+KERNELS = ("auto", "grouped_mm", "padded", "loop")
+
+
+def capacity(capacity_factor: float, tokens: int, top_k: int, n_experts: int) -> int:
+    """``C = ceil(capacity_factor * tokens * top_k / n_experts)`` (float noise rounded off first)."""
+    return max(1, math.ceil(round(capacity_factor * tokens * top_k / n_experts, 9)))
+
+
+class Dispatch(NamedTuple):
+    """Where the kept assignments go. Slot ``s = t * top_k + j`` is token ``t``'s ``j``-th choice."""
+
+    slots: torch.Tensor  # [M] kept slots, sorted by expert, then priority (choice, token)
+    experts: torch.Tensor  # [M] the expert of each kept slot (non-decreasing)
+    counts: torch.Tensor  # [E] kept slots per expert
+    assigned: torch.Tensor  # [E] slots routed to each expert before dropping
+    dropped: torch.Tensor  # scalar: slots dropped by the capacity limit
+
+
+def dispatch(indices: torch.Tensor, n_experts: int, capacity_limit: int | None = None) -> Dispatch:
+    """Sort the assignments of ``indices`` (``[tokens, top_k]``) by expert and apply the capacity rule."""
+    tokens, top_k = indices.shape
+    flat = indices.reshape(-1)  # position s = t * top_k + j
+    # Slots in priority order: every token's first choice, then every token's second, ...
+    priority = torch.arange(tokens * top_k, device=indices.device).view(tokens, top_k).t().reshape(-1)
+    slots = priority[torch.argsort(flat[priority], stable=True)]  # by expert; ties keep the priority order
+    experts = flat[slots]
+    assigned = torch.bincount(flat, minlength=n_experts)
+    if capacity_limit is None:
+        return Dispatch(slots, experts, assigned, assigned, assigned.new_zeros(()))
+    starts = assigned.cumsum(0) - assigned
+    rank = torch.arange(slots.numel(), device=slots.device) - starts[experts]  # position within its expert
+    keep = rank < capacity_limit
+    counts = assigned.clamp(max=capacity_limit)
+    return Dispatch(slots[keep], experts[keep], counts, assigned, flat.numel() - counts.sum())
+
+
+# -- kernels ------------------------------------------------------------------------------------
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: ``torch._grouped_mm``'s
+    backward rejects expanded gradients (strides 0), such as that of a ``.sum()``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``x[rows of e] @ weight[e].T`` for every expert ``e``; ``weight`` is ``[E, out, in]``."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
+
+
+def _grouped_swiglu(x, counts, w1, w3, w2, pad_to):
+    offsets = counts.cumsum(0).to(torch.int32)
+    hidden = F.silu(_grouped(x, w1, offsets)) * _grouped(x, w3, offsets)
+    return _grouped(hidden, w2, offsets)
+
+
+def _padded_swiglu(x, counts, w1, w3, w2, pad_to):
+    n_experts = w1.shape[0]
+    experts = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts, output_size=x.shape[0])
+    rank = torch.arange(x.shape[0], device=x.device) - (counts.cumsum(0) - counts)[experts]
+    rows = pad_to if pad_to is not None else int(counts.max()) if x.shape[0] else 0
+    padded = x.new_zeros(n_experts, rows, x.shape[-1])
+    padded[experts, rank] = x
+    hidden = F.silu(torch.bmm(padded, w1.transpose(-2, -1))) * torch.bmm(padded, w3.transpose(-2, -1))
+    return torch.bmm(hidden, w2.transpose(-2, -1))[experts, rank]
+
+
+def _loop_swiglu(x, counts, w1, w3, w2, pad_to):
+    outputs, start = [], 0
+    for e, count in enumerate(counts.tolist()):
+        rows = x[start : start + count]
+        outputs.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
+        start += count
+    return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
+
+
+_KERNEL_FUNCTIONS = {"grouped_mm": _grouped_swiglu, "padded": _padded_swiglu, "loop": _loop_swiglu}
+
+
+@functools.cache
+def grouped_mm_works(device_type: str, dtype: torch.dtype, dim: int, hidden: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward here, and agrees with ``bmm``.
+
+    Probed once per (device type, dtype, sizes) with uneven groups, one of them empty, since
+    some builds limit the dtypes, devices or alignments the kernel accepts.
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device_type, enabled=False):
+            return _probe_grouped_mm(torch.device(device_type), dtype, dim, hidden)
+    except Exception:  # noqa: BLE001 - any failure means: use the padded kernel
+        return False
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(7, dim, generator=generator).to(device, dtype).requires_grad_()
+    w = torch.randn(3, hidden, dim, generator=generator).to(device, dtype).requires_grad_()
+    counts = torch.tensor([3, 0, 4], device=device)
+    y = _grouped(x, w, counts.cumsum(0).to(torch.int32))
+    y.sum().backward()
+    expected = torch.cat([x[:3] @ w[0].T, x[3:] @ w[2].T])
+    return bool(torch.allclose(y.float(), expected.float(), rtol=2e-2, atol=2e-2 * math.sqrt(dim)))
+
+
+def resolve_kernel(kernel: str, x: torch.Tensor, hidden: int) -> str:
+    """``"auto"``: ``grouped_mm`` where it works for ``x``'s device and dtype, else ``padded``."""
+    if kernel != "auto":
+        return kernel
+    return "grouped_mm" if grouped_mm_works(x.device.type, x.dtype, x.shape[-1], hidden) else "padded"
+
+
+def expert_swiglu(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    kernel: str = "auto",
+    pad_to: int | None = None,
+) -> torch.Tensor:
+    """Each expert's SwiGLU on its rows: ``x`` ``[M, dim]`` holds ``counts[0]`` rows of expert 0,
+    then ``counts[1]`` of expert 1, ...; returns ``[M, dim]``.
+
+    Under autocast the rows and weights are cast to the autocast dtype (``torch._grouped_mm`` is
+    not on autocast's lists). ``pad_to`` (the capacity, when there is one) fixes the padded
+    kernel's buffer size, avoiding a device sync for the largest count.
+    """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, w1, w3, w2 = (t.to(dtype) for t in (x, w1, w3, w2))
+    else:
+        w1, w3, w2 = (t.to(x.dtype) for t in (w1, w3, w2))
+    name = resolve_kernel(kernel, x, w1.shape[1])
+    with torch.autocast(device_type, enabled=False):
+        return _KERNEL_FUNCTIONS[name](x, counts, w1, w3, w2, pad_to)

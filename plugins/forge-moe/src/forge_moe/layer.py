@@ -1,0 +1,189 @@
+"""The ``moe`` feed-forward component: a mixture-of-experts layer every n-th block, SwiGLU elsewhere.
+
+One MoE layer: the router picks ``top_k`` of ``n_experts`` SwiGLU experts per token and their
+combine weights; :func:`forge_moe.experts.dispatch` sorts the assignments by expert (dropping
+those beyond the capacity, in training); the experts run packed
+(:func:`forge_moe.experts.expert_swiglu`); each token's output is the weighted sum over its kept
+assignments, plus its shared experts. Shared experts: ``n_shared_experts = N`` is one SwiGLU of
+``N * expert hidden`` width, which is exactly the sum of ``N`` separate expert-sized SwiGLUs
+(their hidden units concatenated), so parameters, FLOPs and outputs are those of ``N`` experts.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from forge_lm.errors import PluginError
+from forge_lm.losses.aux import report_aux_loss, report_metric
+from forge_lm.model.swiglu import SwiGLU, swiglu_hidden
+from forge_moe.experts import capacity, dispatch, expert_swiglu
+
+
+class GroupedExperts(nn.Module):
+    """``n_experts`` SwiGLU experts as stacked weights, ``nn.Linear`` layout per expert."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down: writes into the residual stream
+
+    def init_weights(self, std: float, residual_std: float) -> None:
+        nn.init.normal_(self.w1, mean=0.0, std=std)
+        nn.init.normal_(self.w3, mean=0.0, std=std)
+        nn.init.normal_(self.w2, mean=0.0, std=residual_std)
+
+    def per_expert_parameters(self) -> int:
+        return self.w1[0].numel() + self.w3[0].numel() + self.w2[0].numel()
+
+
+class MoELayer(nn.Module):
+    """``[batch, seq, dim] -> [batch, seq, dim]``; see the module docstring.
+
+    Reports, inside the training loop's collector, the router's weighted losses as
+    ``moe/layer<i>/<name>`` and, in training mode, the routing statistics
+    ``moe/layer<i>/load_min``, ``load_max`` (an expert's assignments over the uniform share,
+    1.0 = balanced), ``load_cv`` (std / mean of the assignments per expert) and
+    ``drop_fraction`` (assignments dropped by the capacity limit over all assignments).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        layer_index: int,
+        router: nn.Module,
+        *,
+        n_experts: int,
+        top_k: int,
+        expert_hidden: int,
+        n_shared_experts: int = 0,
+        capacity_factor: float | None = None,
+        kernel: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.layer_index, self.n_experts, self.top_k = layer_index, n_experts, top_k
+        self.capacity_factor, self.kernel = capacity_factor, kernel
+        self.router = router
+        self.experts = GroupedExperts(dim, expert_hidden, n_experts)
+        self.shared = SwiGLU(dim, n_shared_experts * expert_hidden) if n_shared_experts else None
+        self.init_weights(0.02, 0.02)
+
+    def init_weights(self, std: float, residual_std: float) -> None:
+        init = getattr(self.router, "init_weights", None)
+        if callable(init):
+            init(std)
+        else:
+            for module in self.router.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.normal_(module.weight, mean=0.0, std=std)
+        self.experts.init_weights(std, residual_std)
+        if self.shared is not None:
+            self.shared.init_weights(std, residual_std)
+
+    def active_parameter_count(self) -> int:
+        """Per token: the whole router (it scores every expert), ``top_k`` experts, the shared experts."""
+        count = sum(p.numel() for p in self.router.parameters())
+        count += self.top_k * self.experts.per_expert_parameters()
+        if self.shared is not None:
+            count += sum(p.numel() for p in self.shared.parameters())
+        return count
+
+    def capacity(self, tokens: int) -> int | None:
+        """The per-expert capacity for ``tokens`` tokens; None (no dropping) outside training."""
+        if self.capacity_factor is None or not self.training:
+            return None
+        return capacity(self.capacity_factor, tokens, self.top_k, self.n_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        tokens = batch * seq
+        routing = self.router(x)
+        limit = self.capacity(tokens)
+        plan = dispatch(routing.indices, self.n_experts, limit)
+        flat = x.reshape(tokens, dim)
+        w = self.experts
+        y = expert_swiglu(flat[plan.slots // self.top_k], plan.counts, w.w1, w.w3, w.w2, self.kernel, pad_to=limit)
+        y = y * routing.weights.reshape(-1)[plan.slots].unsqueeze(-1).to(y.dtype)
+        combined = y.new_zeros(tokens * self.top_k, dim)
+        combined[plan.slots] = y  # dropped slots stay zero
+        out = combined.view(tokens, self.top_k, dim).sum(dim=1)
+        if self.shared is not None:
+            out = out + self.shared(flat).to(out.dtype)
+        prefix = f"moe/layer{self.layer_index}"
+        for name, value in routing.aux_losses.items():
+            report_aux_loss(f"{prefix}/{name}", value)
+        if self.training:
+            self._report_statistics(prefix, plan.assigned, plan.dropped, tokens)
+        return out.view(batch, seq, dim)
+
+    @torch.no_grad()
+    def _report_statistics(self, prefix: str, assigned: torch.Tensor, dropped: torch.Tensor, tokens: int) -> None:
+        slots = tokens * self.top_k
+        assigned = assigned.float()
+        load = assigned * (self.n_experts / slots)
+        cv = assigned.std(correction=0) / assigned.mean()
+        values = torch.stack([load.min(), load.max(), cv, dropped.float() / slots]).tolist()  # one sync
+        for name, value in zip(("load_min", "load_max", "load_cv", "drop_fraction"), values, strict=True):
+            report_metric(f"{prefix}/{name}", value)
+
+
+# -- factory ------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _registry() -> Any:
+    from forge_lm.plugins import PluginManager
+
+    return PluginManager().registry
+
+
+def build_router(chosen: Any, dim: int, n_experts: int, top_k: int) -> nn.Module:
+    """The router a ``ComponentConfig`` selects, with the routers' factory arguments.
+
+    A config from the loader carries its resolved component; one built in code (the default
+    ``ComponentConfig("softmax_topk")``) is resolved here through the installed plugins.
+    """
+    component = chosen.component if chosen.component is not None else _registry().resolve("routers", chosen.name)
+    options = chosen.options if chosen.options is not None else component.options_class()
+    router = component.build(options, dim, n_experts, top_k)
+    if not isinstance(router, nn.Module):
+        raise PluginError(
+            f"router '{chosen.name}' returned {type(router).__name__}, not a torch.nn.Module; a router factory "
+            "takes (options, dim, n_experts, top_k) and returns a module mapping [batch, seq, dim] to a Routing."
+        )
+    return router
+
+
+def expert_hidden(options: Any, dim: int) -> int:
+    """An expert's hidden size: the dense SwiGLU rule with ``hidden_multiplier * expert_multiplier``."""
+    return swiglu_hidden(dim, options.hidden_multiplier * options.expert_multiplier, options.multiple_of)
+
+
+def build_moe(options: Any, dim: int, layer_index: int) -> nn.Module:
+    """Factory of the ``moe`` feed-forward component (options: ``forge_moe.plugin.MoEOptions``)."""
+    if not options.is_moe_layer(layer_index):
+        return SwiGLU(dim, swiglu_hidden(dim, options.hidden_multiplier, options.multiple_of))
+    return MoELayer(
+        dim,
+        layer_index,
+        build_router(options.router, dim, options.n_experts, options.top_k),
+        n_experts=options.n_experts,
+        top_k=options.top_k,
+        expert_hidden=expert_hidden(options, dim),
+        n_shared_experts=options.n_shared_experts,
+        capacity_factor=options.capacity_factor,
+        kernel=options.expert_kernel,
+    )
+
+
+def after_optimizer_step(model: nn.Module) -> None:
+    """Call ``after_optimizer_step()`` on the router of every MoE layer in ``model`` that has one."""
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            hook = getattr(module.router, "after_optimizer_step", None)
+            if callable(hook):
+                hook()
