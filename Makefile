@@ -9,7 +9,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 PACKAGES := core plugins/forge-moe plugins/forge-optim-muon plugins/forge-wandb
 STAMP := $(VENV)/.forge-installed
 
-.PHONY: setup demo test lint format clean dist
+.PHONY: setup demo test lint format clean bench dist
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,3 +51,8 @@ dist: setup
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .ruff_cache
+
+# Benchmarks 1-6 of benchmarks/README.md on this machine (under 15 minutes); refreshes
+# benchmarks/results/*.json and benchmarks/RESULTS.md. Run it on an idle machine.
+bench: setup
+	$(PY) benchmarks/run_all.py

@@ -56,17 +56,26 @@ def machine() -> dict[str, Any]:
 
 
 def alternate(
-    variants: dict[str, Callable[[], float]], rounds: int, warmup: int, on_round: Callable[[int], None] | None = None
+    variants: dict[str, Callable[[], float]],
+    rounds: int,
+    warmup: int,
+    on_round: Callable[[int], None] | None = None,
+    *,
+    rotate: bool = False,
 ) -> dict[str, list[float]]:
     """Run each variant once per round, in turn, ``warmup + rounds`` times; the samples after warm-up.
 
     A variant returns its own measurement (seconds, or any number); alternating round by round
-    makes a drifting machine load hit every variant alike.
+    makes a drifting machine load hit every variant alike. ``rotate``: round ``r`` starts at
+    the ``r``-th variant, so that none always runs first or right after the same neighbour.
+    ``on_round(r)`` is called after each round (progress).
     """
     samples: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
     for round_index in range(warmup + rounds):
-        for name, run in variants.items():
-            value = run()
+        shift = round_index % len(names) if rotate and names else 0
+        for name in names[shift:] + names[:shift]:
+            value = variants[name]()
             if round_index >= warmup:
                 samples[name].append(value)
         if on_round is not None:
@@ -172,7 +181,7 @@ def write_results_md() -> None:
         cpu = m.get("cpu_model") or m["processor"]
         extra = ""
         if m.get("torch_threads"):
-            extra += f", {m['torch_threads']} torch threads"
+            extra += f", {m['torch_threads']} torch thread" + ("s" if m["torch_threads"] != 1 else "")
         if m.get("gpu"):
             extra += f", GPU {m['gpu']}"
         if m.get("load_average"):
@@ -207,7 +216,12 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
 def _cell(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return str(value)
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        # Ratios near 1 keep three decimals (1.003 is not 1), large numbers every digit, others three significant ones.
+        if abs(value) >= 1000:
+            return f"{value:.0f}"
+        return f"{value:.3f}" if 0.1 <= abs(value) < 10 else f"{value:.3g}"
+    return str(value)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,188 @@
+"""MoE layer forward+backward throughput: packed experts against a loop over experts and a dense layer.
+
+One MoE layer (8 experts, top-2, dropless, softmax router) runs forward and backward on the same
+batch with each expert kernel of forge-moe (``grouped_mm``: ``torch._grouped_mm``; ``padded``:
+a padded batched matmul; ``loop``: one matmul per expert), with the same weights; beside it a
+dense SwiGLU layer of the same active size (hidden = top_k * expert hidden), and the two routers
+alone (forward + backward of their combine weights and losses). In fp32 and in bf16 (CPU
+autocast, fp32 weights, as training runs). The variants alternate round by round after warm-up
+rounds so drifting machine load hits them alike; medians are reported, with tokens/s, the
+speed relative to the dense layer and to the expert loop, and time relative to the grouped MoE
+layer (the routers' share of it). In fp32 also a fine-grained layer of the same active size
+(4x the experts at a quarter of the width, top-8), where a loop pays for 32 small matmuls.
+
+Run:  .venv/bin/python benchmarks/bench_moe.py [--rounds 10] [--threads N]
+
+On a machine shared with other jobs, ``--threads 1`` keeps the numbers meaningful: with every
+core busy, multi-threaded matmuls spend their time waiting at thread barriers, and kernels that
+issue many small matmuls (one per expert) suffer most.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+from _record import alternate, median, save, timed
+
+from forge_lm.model.swiglu import SwiGLU
+from forge_moe.layer import MoELayer
+from forge_moe.routers import SigmoidTopKRouter, SoftmaxTopKRouter
+
+DIM, N_EXPERTS, TOP_K, EXPERT_HIDDEN = 256, 8, 2, 256
+BATCH, SEQ = 4, 512
+DENSE = "dense swiglu (same active size)"
+LOOP = "moe loop over experts"
+GROUPED = "moe grouped_mm"
+FINE_GROUPED = "fine-grained moe grouped_mm"
+FINE_LOOP = "fine-grained moe loop over experts"
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def moe_layer(
+    kernel: str,
+    capacity_factor: float | None = None,
+    n_experts: int = N_EXPERTS,
+    top_k: int = TOP_K,
+    hidden: int = EXPERT_HIDDEN,
+) -> MoELayer:
+    torch.manual_seed(0)  # every kernel gets the same weights and so the same routing
+    router = SoftmaxTopKRouter(DIM, n_experts, top_k, balance_loss_weight=0.01)
+    return MoELayer(
+        DIM,
+        0,
+        router,
+        n_experts=n_experts,
+        top_k=top_k,
+        expert_hidden=hidden,
+        capacity_factor=capacity_factor,
+        kernel=kernel,
+    ).train()
+
+
+def layer_step(layer: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> Callable[[], float]:
+    def step() -> None:
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            y = layer(x)
+        y.float().square().mean().backward()
+
+    return lambda: timed(step)
+
+
+def router_step(router: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> Callable[[], float]:
+    def step() -> None:
+        router.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            routing = router(x)
+        (routing.weights.square().mean() + sum(routing.aux_losses.values())).backward()
+
+    return lambda: timed(step)
+
+
+def variants(x: torch.Tensor) -> dict[tuple[str, str], Callable[[], float]]:
+    torch.manual_seed(1)
+    dense = SwiGLU(DIM, TOP_K * EXPERT_HIDDEN)
+    routers = {
+        "router softmax_topk": SoftmaxTopKRouter(DIM, N_EXPERTS, TOP_K, balance_loss_weight=0.01, z_loss_weight=1e-3),
+        "router sigmoid_topk": SigmoidTopKRouter(DIM, N_EXPERTS, TOP_K, sequence_balance_loss_weight=1e-3),
+    }
+    out = {}
+    for dtype_name, dtype in DTYPES.items():
+        out[(dtype_name, DENSE)] = layer_step(dense, x, dtype)
+        out[(dtype_name, GROUPED)] = layer_step(moe_layer("grouped_mm"), x, dtype)
+        out[(dtype_name, "moe grouped_mm, capacity 1.25")] = layer_step(moe_layer("grouped_mm", 1.25), x, dtype)
+        out[(dtype_name, "moe padded bmm")] = layer_step(moe_layer("padded"), x, dtype)
+        out[(dtype_name, LOOP)] = layer_step(moe_layer("loop"), x, dtype)
+        for name, router in routers.items():
+            out[(dtype_name, name)] = router_step(router.train(), x, dtype)
+    # Fine-grained experts, same active size: 32 experts of a quarter the hidden size, top-8 (fp32 only).
+    fine = {"n_experts": 4 * N_EXPERTS, "top_k": 4 * TOP_K, "hidden": EXPERT_HIDDEN // 4}
+    for kernel, what in (("grouped_mm", FINE_GROUPED), ("padded", "fine-grained moe padded bmm"), ("loop", FINE_LOOP)):
+        out[("fp32", what)] = layer_step(moe_layer(kernel, **fine), x, None)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    x = torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(2))
+    steps = variants(x)
+    names = {f"{dtype} {what}": (dtype, what) for dtype, what in steps}
+    samples = alternate({name: steps[key] for name, key in names.items()}, args.rounds, args.warmup)
+    medians = {names[name]: median(values) for name, values in samples.items()}
+
+    tokens = BATCH * SEQ
+    rows = []
+    for name, values in samples.items():
+        dtype_name, what = names[name]
+        time_s = medians[(dtype_name, what)]
+        fine = what.startswith("fine-grained")
+        dense = medians[(dtype_name, DENSE)]
+        loop = medians[(dtype_name, FINE_LOOP if fine else LOOP)]
+        rows.append(
+            {
+                "dtype": dtype_name,
+                "what (forward + backward)": what,
+                "median_ms": time_s * 1000,
+                "min_ms": min(values) * 1000,
+                "tokens_per_s": tokens / time_s,
+                "speed_vs_dense": dense / time_s,
+                "speed_vs_loop": loop / time_s,
+                "time_vs_moe_grouped": time_s / medians[(dtype_name, FINE_GROUPED if fine else GROUPED)],
+            }
+        )
+        print(
+            f"{name:42s} {time_s * 1000:8.2f} ms  {tokens / time_s:9.0f} tok/s  "
+            f"x{dense / time_s:.2f} dense  x{loop / time_s:.2f} loop"
+        )
+    headline = []
+    for dtype_name in DTYPES:
+        grouped = medians[(dtype_name, GROUPED)]
+        headline += [
+            {
+                "measure": f"MoE layer {dtype_name}: expert loop / grouped_mm (time)",
+                "value": medians[(dtype_name, LOOP)] / grouped,
+                "meaning": "above 1: packed experts beat the loop over experts",
+            },
+            {
+                "measure": f"MoE layer {dtype_name}: dense of equal active size / grouped_mm (time)",
+                "value": medians[(dtype_name, DENSE)] / grouped,
+                "meaning": "1 would be a dropless MoE layer as fast as its dense equivalent",
+            },
+        ]
+    fine_loop = medians[("fp32", FINE_LOOP)] / medians[("fp32", FINE_GROUPED)]
+    headline += [
+        {
+            "measure": f"MoE layer fp32, {4 * N_EXPERTS} fine-grained experts: loop / grouped_mm (time)",
+            "value": fine_loop,
+            "meaning": "above 1: packed experts beat the loop over experts",
+        }
+    ]
+    save(
+        "moe",
+        f"python benchmarks/bench_moe.py --rounds {args.rounds}"
+        + (f" --threads {args.threads}" if args.threads else ""),
+        rows,
+        notes=(
+            f"One MoE layer: dim {DIM}, {N_EXPERTS} experts of hidden {EXPERT_HIDDEN}, top-{TOP_K}, softmax router, "
+            f"dropless unless stated; {tokens} tokens ({BATCH} x {SEQ}) per step, training mode. Dense: SwiGLU of "
+            f"hidden {TOP_K * EXPERT_HIDDEN} (the MoE layer's active size without the router). bf16: CPU autocast "
+            f"over fp32 weights. Medians of {args.rounds} alternating rounds after {args.warmup} warm-up rounds; "
+            "speed_vs_*: that layer's median time over this row's (higher is faster); time_vs_moe_grouped: this "
+            "row's median over the grouped MoE layer's (the routers' share of the layer). Fine-grained rows: "
+            f"{4 * N_EXPERTS} experts of hidden {EXPERT_HIDDEN // 4}, top-{4 * TOP_K}, compared with their own loop."
+        ),
+        headline=headline,
+    )
+
+
+if __name__ == "__main__":
+    main()

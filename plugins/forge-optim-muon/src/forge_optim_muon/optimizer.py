@@ -1,0 +1,415 @@
+"""Muon (Jordan et al. 2024) for hidden weight matrices, with an AdamW fallback for everything else.
+
+Per Muon parameter ``W`` (a matrix, or a stack of them such as ``[experts, rows, cols]``), with
+gradient ``G`` and momentum buffer ``B`` (zero at the start)::
+
+    B <- momentum * B + (1 - momentum) * G                      # torch.optim.Muon's convention
+    U <- (1 - momentum) * G + momentum * B  (nesterov)  or  B
+    O <- NS(U / max(||U||_F, ns_eps))                           # per matrix, over the last two dims
+    W <- W * (1 - lr * weight_decay)                            # decoupled weight decay
+    W <- W - lr * scale(rows, cols) * O
+
+``NS`` is ``ns_steps`` iterations of ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` and
+``(a, b, c) = ns_coefficients``, computed on the wide orientation of each matrix (transposed when
+it has more rows than columns, so that ``A`` is the smaller Gram matrix). The default quintic
+drives every singular value of the normalised update into roughly [0.7, 1.2]: ``O`` is close to
+``U V^T`` of ``U = U S V^T``. ``scale`` is ``sqrt(max(1, rows / cols))`` (``"original"``) or
+``0.2 * sqrt(max(rows, cols))`` (``"match_rms_adamw"``: updates with AdamW's RMS).
+
+Every formula, including the order of the bf16 roundings, is that of ``torch.optim.Muon``, so
+with ``ns_dtype = "bfloat16"`` this optimizer computes what it computes on 2-D parameters.
+
+Scale:
+
+- Matrices of the same (oriented) shape are orthogonalised together, one batched matmul per
+  Newton-Schulz product, instead of one small matmul at a time; ``[rows, cols]`` and
+  ``[cols, rows]`` matrices share a batch.
+- ``ns_dtype``: ``"bfloat16"`` (as reference implementations: accurate enough, since the
+  iteration only aims at singular values near 1), ``"float32"``, or ``"auto"``: bfloat16 on
+  CUDA, float32 elsewhere (CPUs without bf16 units emulate bf16 matmuls, many times slower).
+- Parameters that are DTensors (FSDP2 shards) are orthogonalised as whole matrices: the
+  updates of each same-shape group are all-gathered in one collective, each rank
+  orthogonalises its share of the batch, and one more all-gather shares the results; each
+  rank then applies its own shard. Momentum and the AdamW fallback stay shard-local.
+
+AdamW groups (``algorithm = "adamw"``) run ``torch.optim.AdamW``'s update (decoupled weight
+decay, bias correction) with their own ``lr``, ``betas``, ``eps`` and ``weight_decay``. A
+scheduler scales every group's ``lr`` by the same factor, so the fallback follows the schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+QUINTIC = (3.4445, -4.7750, 2.0315)
+UPDATE_SCALES = ("original", "match_rms_adamw")
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+# -- Newton-Schulz -------------------------------------------------------------------------------
+
+
+def newton_schulz(
+    batch: torch.Tensor, coefficients: Sequence[float] = QUINTIC, steps: int = 5, eps: float = 1e-7
+) -> torch.Tensor:
+    """Orthogonalise each matrix of ``batch`` ``[n, rows, cols]`` (``rows <= cols``), in its dtype.
+
+    Each matrix is divided by its Frobenius norm (at least ``eps``), then ``steps`` iterations of
+    ``X <- a X + (b A + c A @ A) @ X`` with ``A = X @ X^T`` run as batched matmuls.
+    """
+    a, b, c = coefficients
+    x = batch / torch.linalg.vector_norm(batch, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = torch.bmm(x, x.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    return x
+
+
+def orthogonalize(
+    update: torch.Tensor,
+    coefficients: Sequence[float] = QUINTIC,
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``NS`` of every matrix of ``update`` ``[..., rows, cols]``, computed in ``dtype``, in ``update``'s dtype."""
+    rows, cols = update.shape[-2:]
+    batch = update.reshape(-1, rows, cols).to(dtype)
+    tall = rows > cols
+    out = newton_schulz(batch.mT if tall else batch, coefficients, steps, eps)
+    return (out.mT if tall else out).reshape(update.shape).to(update.dtype)
+
+
+def update_scale(rule: str, rows: int, cols: int) -> float:
+    """The factor on ``lr`` for a ``rows x cols`` matrix's orthogonalised update."""
+    if rule == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    if rule == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"update_scale must be one of {UPDATE_SCALES}, got {rule!r}")
+
+
+def resolve_ns_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in NS_DTYPES:
+        raise ValueError(f"ns_dtype must be 'auto', 'bfloat16' or 'float32', got {name!r}")
+    return NS_DTYPES[name]
+
+
+# -- the optimizer ---------------------------------------------------------------------------------
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on groups with ``algorithm = "muon"`` (the default), AdamW on ``algorithm = "adamw"`` groups.
+
+    The constructor's Muon arguments are the defaults of Muon groups, its ``adamw_*`` arguments
+    those of AdamW groups; a group may set any of its algorithm's keys itself. Muon group keys:
+    ``lr, momentum, nesterov, weight_decay, update_scale, ns_coefficients, ns_steps, ns_eps,
+    ns_dtype``; AdamW group keys: ``lr, betas, eps, weight_decay``. State per Muon parameter:
+    ``momentum_buffer``; per AdamW parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` (as
+    ``torch.optim.AdamW``). :func:`forge_optim_muon.factory.build_muon` builds the groups of a
+    model by the role of each parameter.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        update_scale: str = "original",
+        ns_coefficients: Sequence[float] = QUINTIC,
+        ns_steps: int = 5,
+        ns_eps: float = 1e-7,
+        ns_dtype: str = "auto",
+        adamw_lr: float = 3e-3,
+        adamw_betas: Sequence[float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+    ) -> None:
+        self._group_defaults = {
+            "muon": {
+                "lr": lr,
+                "momentum": momentum,
+                "nesterov": nesterov,
+                "weight_decay": weight_decay,
+                "update_scale": update_scale,
+                "ns_coefficients": tuple(ns_coefficients),
+                "ns_steps": ns_steps,
+                "ns_eps": ns_eps,
+                "ns_dtype": ns_dtype,
+            },
+            "adamw": {
+                "lr": adamw_lr,
+                "betas": tuple(adamw_betas),
+                "eps": adamw_eps,
+                "weight_decay": adamw_weight_decay,
+            },
+        }
+        super().__init__(params, {})  # each group is completed from its algorithm's defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        algorithm = param_group.setdefault("algorithm", "muon")
+        if algorithm not in self._group_defaults:
+            raise ValueError(f"a param group's algorithm must be 'muon' or 'adamw', got {algorithm!r}")
+        for key, value in self._group_defaults[algorithm].items():
+            param_group.setdefault(key, value)
+        if algorithm == "muon":
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group["params"] = params
+            for param in params:
+                if param.ndim < 2:
+                    raise ValueError(
+                        f"Muon orthogonalises matrices; a parameter of shape {tuple(param.shape)} belongs in an "
+                        "'adamw' group"
+                    )
+            update_scale(param_group["update_scale"], 1, 1)  # validates the rule's name
+            resolve_ns_dtype(param_group["ns_dtype"], torch.device("cpu"))
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        muon_groups = []
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                self._adamw_step(group)
+            else:
+                muon_groups.append(group)
+        if muon_groups:
+            self._muon_step(muon_groups)
+        return loss
+
+    # -- AdamW ----------------------------------------------------------------------------------
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        """``torch.optim.AdamW``'s foreach update, on the local shards of the group's parameters."""
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            params.append(_local(param))
+            grads.append(_local(param.grad))
+            exp_avgs.append(_local(state["exp_avg"]))
+            exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            steps.append(state["step"])
+        if not params:
+            return
+        lr, decay, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        torch._foreach_add_(steps, 1.0)
+        if decay != 0:
+            torch._foreach_mul_(params, 1.0 - lr * decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+        counts = [step.item() for step in steps]
+        step_sizes = [-lr / (1.0 - beta1**t) for t in counts]
+        denominators = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denominators, [math.sqrt(1.0 - beta2**t) for t in counts])
+        torch._foreach_add_(denominators, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denominators, step_sizes)
+
+    # -- Muon -----------------------------------------------------------------------------------
+
+    def _muon_step(self, groups: list[dict[str, Any]]) -> None:
+        entries: list[_Entry] = []
+        for group in groups:
+            stepped = [p for p in group["params"] if p.grad is not None]
+            if not stepped:
+                continue
+            buffers = []
+            for param in stepped:
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
+                buffers.append(_local(state["momentum_buffer"]))
+            grads = [_local(p.grad) for p in stepped]
+            momentum = group["momentum"]
+            torch._foreach_lerp_(buffers, grads, 1.0 - momentum)
+            updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
+            entries.extend(_Entry(p, group, u) for p, u in zip(stepped, updates, strict=True))
+        if not entries:
+            return
+        _gather_whole_matrices(entries)
+        _orthogonalize_in_batches(entries)
+        _take_local_shards(entries)
+        for entry in entries:
+            group, param = entry.group, _local(entry.param)
+            lr, decay = group["lr"], group["weight_decay"]
+            rows, cols = entry.param.shape[-2:]
+            if decay != 0:
+                param.mul_(1.0 - lr * decay)
+            param.add_(entry.result, alpha=-lr * update_scale(group["update_scale"], rows, cols))
+
+
+class _Entry:
+    """One Muon parameter through a step: its update, the whole matrix, the orthogonalised result."""
+
+    __slots__ = ("full", "group", "param", "result", "update")
+
+    def __init__(self, param: torch.Tensor, group: dict[str, Any], update: torch.Tensor) -> None:
+        self.param, self.group = param, group
+        self.update = update  # local (this rank's shard of a DTensor parameter)
+        self.full: torch.Tensor | None = None  # the whole update matrix (or stack), on every rank
+        self.result: torch.Tensor | None = None  # NS(full), then this rank's shard of it
+
+    @property
+    def mesh(self) -> Any:
+        return self.param.device_mesh if isinstance(self.param, DTensor) else None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= size
+    return tuple(reversed(stride))
+
+
+def _stacked_placements(placements: Sequence[Any]) -> list[Any] | None:
+    """The placements of ``[k, *shape]`` stacking ``k`` tensors placed as ``placements``, or None."""
+    out = []
+    for placement in placements:
+        if type(placement) is Shard:
+            out.append(Shard(placement.dim + 1))
+        elif type(placement) is Replicate:
+            out.append(placement)
+        else:  # partial sums, strided shards: gather each tensor on its own
+            return None
+    return out
+
+
+def _sharding_groups(entries: list[_Entry]) -> dict[Any, list[_Entry]]:
+    groups: dict[Any, list[_Entry]] = {}
+    for entry in entries:
+        if entry.mesh is not None:
+            key = (id(entry.mesh), tuple(entry.param.placements), tuple(entry.param.shape), entry.update.dtype)
+            groups.setdefault(key, []).append(entry)
+    return groups
+
+
+def _gather_whole_matrices(entries: list[_Entry]) -> None:
+    """``entry.full``: the whole update; one all-gather per group of same-shape, same-placement DTensors."""
+    for entry in entries:
+        if entry.mesh is None:
+            entry.full = entry.update
+    for group in _sharding_groups(entries).values():
+        param = group[0].param
+        placements = _stacked_placements(param.placements)
+        if placements is None:
+            for entry in group:
+                p = entry.param
+                entry.full = DTensor.from_local(
+                    entry.update, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                ).full_tensor()
+            continue
+        shape = (len(group), *param.shape)
+        stacked = DTensor.from_local(
+            torch.stack([entry.update for entry in group]),
+            param.device_mesh,
+            placements,
+            run_check=False,
+            shape=shape,
+            stride=_contiguous_stride(shape),
+        ).full_tensor()
+        for entry, full in zip(group, stacked.unbind(0), strict=True):
+            entry.full = full
+
+
+def _take_local_shards(entries: list[_Entry]) -> None:
+    """Replace each DTensor parameter's whole result by this rank's shard of it (no communication)."""
+    for group in _sharding_groups(entries).values():
+        param = group[0].param
+        mesh, placements = param.device_mesh, _stacked_placements(param.placements)
+        if placements is None:
+            for entry in group:
+                p = entry.param
+                whole = DTensor.from_local(entry.result, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                entry.result = whole.redistribute(mesh, p.placements).to_local()
+            continue
+        stacked = torch.stack([entry.result.to(entry.update.dtype) for entry in group])
+        whole = DTensor.from_local(stacked, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        shards = whole.redistribute(mesh, placements).to_local()
+        for entry, shard in zip(group, shards.unbind(0), strict=True):
+            entry.result = shard
+
+
+def _orthogonalize_in_batches(entries: list[_Entry]) -> None:
+    """``entry.result = NS(entry.full)``, batching every matrix of the same oriented shape and settings."""
+    batches: dict[Any, list[tuple[_Entry, bool]]] = {}
+    for entry in entries:
+        group, full = entry.group, entry.full
+        rows, cols = full.shape[-2:]
+        tall = rows > cols
+        spread = entry.mesh if entry.mesh is not None and entry.mesh.ndim == 1 and entry.mesh.size() > 1 else None
+        key = (
+            (cols, rows) if tall else (rows, cols),
+            full.device,
+            resolve_ns_dtype(group["ns_dtype"], full.device),
+            tuple(group["ns_coefficients"]),
+            group["ns_steps"],
+            group["ns_eps"],
+            None if spread is None else id(spread),
+        )
+        batches.setdefault(key, []).append((entry, tall))
+    for (shape, _, dtype, coefficients, steps, eps, _), members in batches.items():
+        pieces = []
+        for entry, tall in members:
+            matrices = entry.full.reshape(-1, *entry.full.shape[-2:])
+            pieces.append(matrices.mT if tall else matrices)
+        batch = torch.cat(pieces).to(dtype)
+        mesh = members[0][0].mesh
+        if mesh is not None and mesh.ndim == 1 and mesh.size() > 1:
+            out = _spread_newton_schulz(batch, coefficients, steps, eps, mesh, members[0][0].update.dtype)
+        else:
+            out = newton_schulz(batch, coefficients, steps, eps)
+        offset = 0
+        for entry, tall in members:
+            count = entry.full.numel() // (shape[0] * shape[1])
+            piece = out[offset : offset + count]
+            offset += count
+            entry.result = (piece.mT if tall else piece).reshape(entry.full.shape)
+
+
+def _spread_newton_schulz(
+    batch: torch.Tensor,
+    coefficients: Sequence[float],
+    steps: int,
+    eps: float,
+    mesh: Any,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """NS of ``batch`` with the work split over the ranks of ``mesh``: each orthogonalises an equal
+    share of the (zero-padded) batch, and an all-gather gives every rank every result."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+    count = batch.shape[0]
+    share = -(-count // world)
+    if share * world != count:  # zero matrices stay zero: 0 / max(0, eps) = 0
+        batch = torch.cat([batch, batch.new_zeros(share * world - count, *batch.shape[1:])])
+    mine = newton_schulz(batch[rank * share : (rank + 1) * share], coefficients, steps, eps).to(out_dtype)
+    gathered = mine.new_empty(share * world, *mine.shape[1:])
+    dist.all_gather_into_tensor(gathered, mine.contiguous(), group=mesh.get_group())
+    return gathered[:count]

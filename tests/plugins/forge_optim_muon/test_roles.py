@@ -1,0 +1,129 @@
+"""Which side each parameter goes to is decided by its role, and the config can override it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from forge_lm.config import ModelSection, load_config
+from forge_lm.errors import ConfigError
+from forge_lm.model import build_model
+from forge_lm.plugins import PluginManager
+from forge_optim_muon.factory import build_muon
+from forge_optim_muon.roles import assign_parameters
+
+
+def _sides(assignments):
+    return {a.name: (a.side, a.role) for a in assignments}
+
+
+def test_dense_model_sends_hidden_matrices_to_muon_and_the_rest_to_adamw(models):
+    model = build_model(ModelSection(dim=64, n_layers=2, n_heads=4), 97, PluginManager().registry)
+    sides = _sides(assign_parameters(model))
+    assert sides["tok_embeddings.weight"] == ("adamw", "embedding")  # the tied head is this same tensor
+    assert "output.weight" not in sides
+    assert sides["norm.weight"] == ("adamw", "norm")
+    assert sides["layers.1.ffn_norm.weight"] == ("adamw", "norm")
+    for name in ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2"):
+        assert sides[f"layers.0.{name}.weight"] == ("muon", "hidden matrix")
+
+
+def test_untied_output_head_goes_to_adamw_and_is_decayed():
+    model = build_model(ModelSection(dim=64, n_layers=1, n_heads=4, tie_embeddings=False), 97, PluginManager().registry)
+    by_name = {a.name: a for a in assign_parameters(model)}
+    head, embedding = by_name["output.weight"], by_name["tok_embeddings.weight"]
+    assert (head.side, head.role, head.decay) == ("adamw", "output head", True)
+    assert (embedding.side, embedding.decay) == ("adamw", False)
+    assert by_name["tok_embeddings.weight"].decay is False
+    assert {a.name: a.decay for a in assign_parameters(model, decay_embeddings=True)}["tok_embeddings.weight"]
+
+
+def test_routers_biases_norms_and_stacked_experts_are_told_apart(models):
+    sides = _sides(assign_parameters(models.tiny_mixture_lm()))
+    assert sides["layers.0.router.weight"] == ("adamw", "router")
+    assert sides["layers.0.mix.bias"] == ("adamw", "bias")
+    assert sides["layers.0.mix.weight"] == ("muon", "hidden matrix")
+    assert sides["layers.0.norm.weight"] == ("adamw", "norm")
+    assert sides["layers.0.w_in"] == ("muon", "stacked matrices")
+    assert sides["output.weight"] == ("adamw", "output head")
+
+
+def test_router_modules_are_recognised_by_class_name_whatever_their_attribute_name():
+    class TopKRouter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 8))
+
+    model = nn.Sequential(nn.Linear(8, 8), TopKRouter())
+    assert _sides(assign_parameters(model))["1.weight"] == ("adamw", "router")
+
+
+def test_role_decides_not_layout_a_square_embedding_and_head_stay_on_adamw():
+    class SquareLM(nn.Module):  # vocabulary = width: every matrix has the same shape
+        def __init__(self) -> None:
+            super().__init__()
+            self.vocab_size = 16
+            self.embed = nn.Embedding(16, 16)
+            self.hidden = nn.Linear(16, 16, bias=False)
+            self.head = nn.Linear(16, 16, bias=False)
+
+    sides = _sides(assign_parameters(SquareLM()))
+    assert sides == {
+        "embed.weight": ("adamw", "embedding"),
+        "hidden.weight": ("muon", "hidden matrix"),
+        "head.weight": ("adamw", "output head"),
+    }
+
+
+def test_name_patterns_send_parameters_either_way(models):
+    model = models.tiny_mixture_lm()
+    sides = _sides(assign_parameters(model, muon_params=["output.weight"], adamw_params=["layers.*.w_out"]))
+    assert sides["output.weight"] == ("muon", "muon_params")
+    assert sides["layers.1.w_out"] == ("adamw", "adamw_params")
+    assert sides["layers.1.w_in"] == ("muon", "stacked matrices")
+
+
+def test_a_pattern_that_matches_nothing_is_an_error(models):
+    with pytest.raises(ConfigError, match=r"'layers\.\*\.wq\.weight' matches no parameter"):
+        assign_parameters(models.tiny_mixture_lm(), adamw_params=["layers.*.wq.weight"])
+
+
+def test_a_vector_sent_to_muon_is_an_error(models):
+    with pytest.raises(ConfigError, match="only parameters of two or more dimensions"):
+        assign_parameters(models.tiny_mixture_lm(), muon_params=["*.bias"])
+
+
+def test_config_rejects_a_pattern_on_both_sides_and_bad_values():
+    registry = PluginManager().registry
+    base = ["--optimizer.name=muon"]
+    with pytest.raises(ConfigError, match="also in muon_params"):
+        load_config(None, [*base, '--optimizer.muon_params=["a"]', '--optimizer.adamw_params=["a"]'], registry)
+    with pytest.raises(ConfigError, match="momentum"):
+        load_config(None, [*base, "--optimizer.momentum=1.0"], registry)
+    with pytest.raises(ConfigError, match="ns_dtype"):
+        load_config(None, [*base, "--optimizer.ns_dtype=float16"], registry)
+
+
+def test_every_parameter_lands_in_one_group_and_group_zero_is_muon(models):
+    model = models.tiny_mixture_lm()
+    optimizer = build_muon(models.muon_options(), model)
+    assert optimizer.param_groups[0]["algorithm"] == "muon"
+    grouped = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.parameters())
+    decayed_groups = [g for g in optimizer.param_groups if g["algorithm"] == "adamw" and g["weight_decay"]]
+    decayed = {id(p) for g in decayed_groups for p in g["params"]}
+    assert decayed == {id(model.output.weight), *(id(layer.router.weight) for layer in model.layers)}
+
+
+def test_the_split_is_reported_once_with_counts_and_parameter_totals(models, capsys):
+    model = models.tiny_mixture_lm()
+    build_muon(models.muon_options(), model)
+    lines = capsys.readouterr().out.splitlines()
+    muon = 2 * (32 * 32 + 3 * 48 * 32 + 3 * 32 * 48)
+    adamw = 61 * 32 + 3 * 32 + 2 * 32 + 2 * 3 * 32 + 61 * 32
+    assert lines == [
+        f"muon: Muon: 6 tensors, {muon:,} parameters (2 hidden matrix, 4 stacked matrices)",
+        f"muon: AdamW (lr 0.003): 9 tensors, {adamw:,} parameters "
+        "(1 embedding, 1 output head, 2 router, 3 norm, 2 bias)",
+    ]
