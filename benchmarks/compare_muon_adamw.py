@@ -7,7 +7,10 @@ best AdamW rate). The best run of each is the one with the lowest held-out loss 
 Writes ``results/muon_vs_adamw.json`` (a table of every run, plus every loss curve) and
 ``results/muon_vs_adamw.png``; ``RESULTS.md`` is regenerated.
 
-Run:  .venv/bin/python benchmarks/compare_muon_adamw.py [--steps 150]   (about 8 minutes on 2 CPU cores)
+Losses do not depend on the machine's load (each run is seeded); wall times do, so they are
+printed but not recorded. On 2 otherwise idle CPU cores a run takes about 30 seconds.
+
+Run:  .venv/bin/python benchmarks/compare_muon_adamw.py [--steps 150]   (about 3 minutes on 2 idle CPU cores)
 """
 
 from __future__ import annotations
@@ -86,7 +89,6 @@ def main() -> None:
             "best": "yes" if r is best[r["optimizer"]] else "",
             "eval_loss": r["eval_loss"],
             "train_loss_last10": sum(r["losses"][-10:]) / 10,
-            "seconds": r["seconds"],
         }
         for r in runs
     ]

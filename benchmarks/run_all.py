@@ -31,8 +31,8 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_train.py", ["--rounds", "3", "--steps", "10"], ["--quick"]),
     ("bench_data.py", ["--rounds", "5"], ["--quick"]),
     ("bench_checkpoint.py", ["--rounds", "5"], ["--quick"]),
-    ("bench_muon.py", [], ["--rounds", "2", "--warmup", "1"]),
-    ("bench_moe.py", [], ["--rounds", "2", "--warmup", "1"]),
+    ("bench_muon.py", ["--rounds", "3"], ["--rounds", "2", "--warmup", "1"]),
+    ("bench_moe.py", ["--rounds", "5"], ["--rounds", "2", "--warmup", "1"]),
 ]
 GPU = ("bench_gpu.py", [], ["--rounds", "2", "--steps", "3", "--no-moe"])
 BUDGET_S = 15 * 60
