@@ -100,7 +100,14 @@ def main() -> None:
         f"{adamw_best['eval_loss']:.4f}."
     )
     command = f"python benchmarks/compare_muon_adamw.py --steps {args.steps}"
-    path = save("muon_vs_adamw", command, rows, notes=notes)
+    headline = [
+        {
+            "measure": f"held-out loss, best Muon vs best AdamW ({args.steps}-step sweeps)",
+            "value": adamw_best["eval_loss"] - muon_best["eval_loss"],
+            "meaning": f"lower with Muon ({muon_best['eval_loss']:.3f} vs {adamw_best['eval_loss']:.3f})",
+        }
+    ]
+    path = save("muon_vs_adamw", command, rows, notes=notes, headline=headline)
     record = json.loads(path.read_text())
     record["curves"] = [{"optimizer": r["optimizer"], "lr": r["lr"], "loss": r["losses"]} for r in runs]
     path.write_text(json.dumps(record, indent=2) + "\n")

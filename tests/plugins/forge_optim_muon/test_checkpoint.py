@@ -15,6 +15,8 @@ from forge_lm.train import train
 from forge_optim_muon.factory import build_muon
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs" / "muon.toml"
+SMALL = ["--model.dim=32", "--model.n_layers=1", "--train.batch_size=4", "--train.seq_len=64"]
+QUIET = ["--eval.interval=0", "--metrics.log_interval=1", '--metrics.backends=["jsonl"]']
 
 
 def test_checkpoint_round_trip_resumes_muon_bit_for_bit(models, tmp_path):
@@ -42,16 +44,31 @@ def test_checkpoint_round_trip_resumes_muon_bit_for_bit(models, tmp_path):
         assert torch.equal(expected, actual), f"{name} differs after resuming"
 
 
+def test_a_run_resumed_from_its_checkpoint_continues_bit_for_bit_with_muon(tmp_path):
+    manager = PluginManager()
+
+    def config(path, overrides):
+        return load_config(path, [*SMALL, *QUIET, "--scheduler.name=constant", *overrides], manager.registry)
+
+    straight = train(config(CONFIG, [f"--train.output_dir={tmp_path / 'straight'}", "--train.max_steps=6"]), manager)
+    first = train(config(CONFIG, [f"--train.output_dir={tmp_path / 'resumed'}", "--train.max_steps=3"]), manager)
+    resumed = train(config(first.run_dir / "config.toml", ["--train.max_steps=6"]), manager)
+    assert resumed.steps == 6
+    assert _losses(resumed.run_dir) == _losses(straight.run_dir)  # steps 4-6 after resuming, bit for bit
+
+
+def _losses(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
 def test_shipped_muon_config_trains_the_model_with_muon(tmp_path, capsys):
     manager = PluginManager()
-    small = ["--model.dim=32", "--model.n_layers=1", "--train.batch_size=4", "--train.seq_len=64"]
     run = [f"--train.output_dir={tmp_path / 'run'}", "--train.max_steps=10", "--scheduler.warmup_steps=0"]
-    quiet = ["--eval.interval=0", "--metrics.log_interval=1", '--metrics.backends=["jsonl"]']
-    config = load_config(CONFIG, [*small, *run, *quiet], manager.registry)
+    config = load_config(CONFIG, [*SMALL, *run, *QUIET], manager.registry)
     assert config.optimizer.name == "muon"
     result = train(config, manager)
     assert "muon: Muon: 7 tensors" in capsys.readouterr().out  # wq, wk, wv, wo, w1, w2, w3 of the one layer
-    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r]
+    losses = _losses(result.run_dir)
     assert len(losses) == 10
     assert sum(losses[-3:]) / 3 < losses[0] - 0.3

@@ -127,3 +127,12 @@ def test_the_split_is_reported_once_with_counts_and_parameter_totals(models, cap
         f"muon: AdamW (lr 0.003): 9 tensors, {adamw:,} parameters "
         "(1 embedding, 1 output head, 2 router, 3 norm, 2 bias)",
     ]
+
+
+def test_forge_moe_routers_go_to_adamw_and_its_grouped_experts_to_muon():
+    registry = PluginManager().registry  # forge-moe is installed beside this plugin in the workspace
+    config = load_config(None, ["--model.dim=64", "--model.n_layers=1", "--model.ffn.name=moe"], registry)
+    sides = _sides(assign_parameters(build_model(config.model, 97, registry)))
+    assert sides["layers.0.feed_forward.router.weight"] == ("adamw", "router")
+    for name in ("w1", "w2", "w3"):
+        assert sides[f"layers.0.feed_forward.experts.{name}"] == ("muon", "stacked matrices")

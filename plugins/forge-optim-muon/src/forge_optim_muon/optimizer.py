@@ -12,8 +12,8 @@ gradient ``G`` and momentum buffer ``B`` (zero at the start)::
 ``NS`` is ``ns_steps`` iterations of ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` and
 ``(a, b, c) = ns_coefficients``, computed on the wide orientation of each matrix (transposed when
 it has more rows than columns, so that ``A`` is the smaller Gram matrix). The default quintic
-drives every singular value of the normalised update into roughly [0.7, 1.2]: ``O`` is close to
-``U V^T`` of ``U = U S V^T``. ``scale`` is ``sqrt(max(1, rows / cols))`` (``"original"``) or
+moves every singular value of the normalised update that is not tiny into roughly [0.7, 1.2]:
+``O`` is close to ``P Q^T`` of the SVD ``U = P S Q^T``. ``scale`` is ``sqrt(max(1, rows / cols))`` (``"original"``) or
 ``0.2 * sqrt(max(rows, cols))`` (``"match_rms_adamw"``: updates with AdamW's RMS).
 
 Every formula, including the order of the bf16 roundings, is that of ``torch.optim.Muon``, so
@@ -21,9 +21,9 @@ with ``ns_dtype = "bfloat16"`` this optimizer computes what it computes on 2-D p
 
 Scale:
 
-- Matrices of the same (oriented) shape are orthogonalised together, one batched matmul per
-  Newton-Schulz product, instead of one small matmul at a time; ``[rows, cols]`` and
-  ``[cols, rows]`` matrices share a batch.
+- Matrices of the same shape (and settings) are orthogonalised together, one batched matmul
+  per Newton-Schulz product, instead of one small matmul at a time. A stacked parameter
+  ``[experts, rows, cols]`` joins the batch of its ``rows x cols`` matrices.
 - ``ns_dtype``: ``"bfloat16"`` (as reference implementations: accurate enough, since the
   iteration only aims at singular values near 1), ``"float32"``, or ``"auto"``: bfloat16 on
   CUDA, float32 elsewhere (CPUs without bf16 units emulate bf16 matmuls, many times slower).
@@ -39,6 +39,7 @@ scheduler scales every group's ``lr`` by the same factor, so the fallback follow
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -358,58 +359,60 @@ def _take_local_shards(entries: list[_Entry]) -> None:
 
 
 def _orthogonalize_in_batches(entries: list[_Entry]) -> None:
-    """``entry.result = NS(entry.full)``, batching every matrix of the same oriented shape and settings."""
-    batches: dict[Any, list[tuple[_Entry, bool]]] = {}
+    """``entry.result = NS(entry.full)``, one batch per matrix shape and settings.
+
+    A batch is the matrices stacked as stored, ``[n, rows, cols]``; a tall batch is orthogonalised
+    through its transposed view, so each matrix is seen in exactly the layout torch.optim.Muon
+    gives it (in bfloat16 the layout changes a matmul's rounding).
+    """
+    batches: dict[Any, list[_Entry]] = {}
     for entry in entries:
         group, full = entry.group, entry.full
-        rows, cols = full.shape[-2:]
-        tall = rows > cols
-        spread = entry.mesh if entry.mesh is not None and entry.mesh.ndim == 1 and entry.mesh.size() > 1 else None
         key = (
-            (cols, rows) if tall else (rows, cols),
+            tuple(full.shape[-2:]),
             full.device,
             resolve_ns_dtype(group["ns_dtype"], full.device),
             tuple(group["ns_coefficients"]),
             group["ns_steps"],
             group["ns_eps"],
-            None if spread is None else id(spread),
+            None if entry.mesh is None else id(entry.mesh),
         )
-        batches.setdefault(key, []).append((entry, tall))
-    for (shape, _, dtype, coefficients, steps, eps, _), members in batches.items():
-        pieces = []
-        for entry, tall in members:
-            matrices = entry.full.reshape(-1, *entry.full.shape[-2:])
-            pieces.append(matrices.mT if tall else matrices)
-        batch = torch.cat(pieces).to(dtype)
-        mesh = members[0][0].mesh
+        batches.setdefault(key, []).append(entry)
+    for ((rows, cols), _, dtype, coefficients, steps, eps, _), members in batches.items():
+        batch = torch.cat([entry.full.reshape(-1, rows, cols) for entry in members]).to(dtype)
+        orthogonalise = functools.partial(_stored_layout_newton_schulz, coefficients=coefficients, steps=steps, eps=eps)
+        mesh = members[0].mesh
         if mesh is not None and mesh.ndim == 1 and mesh.size() > 1:
-            out = _spread_newton_schulz(batch, coefficients, steps, eps, mesh, members[0][0].update.dtype)
+            out = _spread(orthogonalise, batch, mesh, members[0].update.dtype)
         else:
-            out = newton_schulz(batch, coefficients, steps, eps)
+            out = orthogonalise(batch)
         offset = 0
-        for entry, tall in members:
-            count = entry.full.numel() // (shape[0] * shape[1])
-            piece = out[offset : offset + count]
+        for entry in members:
+            count = entry.full.numel() // (rows * cols)
+            entry.result = out[offset : offset + count].reshape(entry.full.shape)
             offset += count
-            entry.result = (piece.mT if tall else piece).reshape(entry.full.shape)
 
 
-def _spread_newton_schulz(
-    batch: torch.Tensor,
-    coefficients: Sequence[float],
-    steps: int,
-    eps: float,
-    mesh: Any,
-    out_dtype: torch.dtype,
+def _stored_layout_newton_schulz(
+    matrices: torch.Tensor, coefficients: Sequence[float], steps: int, eps: float
 ) -> torch.Tensor:
-    """NS of ``batch`` with the work split over the ranks of ``mesh``: each orthogonalises an equal
-    share of the (zero-padded) batch, and an all-gather gives every rank every result."""
+    """NS of ``[n, rows, cols]``; a tall batch goes through its transposed view (the smaller Gram matrix)."""
+    if matrices.shape[-2] > matrices.shape[-1]:
+        return newton_schulz(matrices.mT, coefficients, steps, eps).mT
+    return newton_schulz(matrices, coefficients, steps, eps)
+
+
+def _spread(
+    orthogonalise: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, mesh: Any, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``orthogonalise(batch)`` with the work split over the ranks of ``mesh``: each rank takes an
+    equal share of the (zero-padded) batch, and an all-gather gives every rank every result."""
     world, rank = mesh.size(), mesh.get_local_rank()
     count = batch.shape[0]
     share = -(-count // world)
     if share * world != count:  # zero matrices stay zero: 0 / max(0, eps) = 0
         batch = torch.cat([batch, batch.new_zeros(share * world - count, *batch.shape[1:])])
-    mine = newton_schulz(batch[rank * share : (rank + 1) * share], coefficients, steps, eps).to(out_dtype)
+    mine = orthogonalise(batch[rank * share : (rank + 1) * share]).to(out_dtype).contiguous()
     gathered = mine.new_empty(share * world, *mine.shape[1:])
-    dist.all_gather_into_tensor(gathered, mine.contiguous(), group=mesh.get_group())
+    dist.all_gather_into_tensor(gathered, mine, group=mesh.get_group())
     return gathered[:count]
