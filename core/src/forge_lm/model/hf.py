@@ -68,19 +68,10 @@ def check_llama_compatible(config: ModelSection) -> None:
         )
 
 
-def hf_config_dict(
-    config: ModelSection,
-    vocab_size: int,
-    ffn_hidden: int,
-    *,
-    bos_id: int | None = None,
-    eos_id: int | None = None,
-) -> dict[str, Any]:
-    """The ``config.json`` of the equivalent ``LlamaForCausalLM`` (written without needing transformers)."""
-    check_llama_compatible(config)
+def decoder_config_fields(config: ModelSection, vocab_size: int, ffn_hidden: int) -> dict[str, Any]:
+    """The ``config.json`` fields every Hugging Face decoder of Forge's shape shares (Llama,
+    and Mixtral through forge-moe): sizes, heads, norm, RoPE, tying."""
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "vocab_size": vocab_size,
         "hidden_size": config.dim,
         "intermediate_size": ffn_hidden,
@@ -95,13 +86,30 @@ def hf_config_dict(
         # transformers >= 5 reads rope_parameters; earlier releases read rope_theta.
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_embeddings,
+        "torch_dtype": "float32",
+    }
+
+
+def hf_config_dict(
+    config: ModelSection,
+    vocab_size: int,
+    ffn_hidden: int,
+    *,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+) -> dict[str, Any]:
+    """The ``config.json`` of the equivalent ``LlamaForCausalLM`` (written without needing transformers)."""
+    check_llama_compatible(config)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **decoder_config_fields(config, vocab_size, ffn_hidden),
         "rope_scaling": None,
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": config.tie_embeddings,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
-        "torch_dtype": "float32",
     }
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from forge_lm.errors import ForgeError
-from forge_lm.model.hf import swiglu_options_for
+from forge_lm.model.hf import decoder_config_fields, swiglu_options_for
 from forge_moe.layer import MoELayer
 from forge_moe.routers import SoftmaxTopKRouter
 
@@ -83,19 +83,7 @@ def to_mixtral(model: nn.Module, config: Any) -> tuple[dict[str, Any], dict[str,
     hf_config = {
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
-        "vocab_size": model.vocab_size,
-        "hidden_size": config.dim,
-        "intermediate_size": hidden,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_seq_len,
-        "initializer_range": config.init_std,
-        "rms_norm_eps": config.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "rope_theta": config.rope_theta,
+        **decoder_config_fields(config, model.vocab_size, hidden),
         "sliding_window": None,
         "attention_dropout": 0.0,
         "num_local_experts": n_experts,
@@ -103,10 +91,8 @@ def to_mixtral(model: nn.Module, config: Any) -> tuple[dict[str, Any], dict[str,
         "output_router_logits": False,
         "router_aux_loss_coef": first.router.balance_loss_weight / top_k,
         "router_jitter_noise": 0.0,
-        "tie_word_embeddings": config.tie_embeddings,
         "bos_token_id": None,
         "eos_token_id": None,
-        "torch_dtype": "float32",
     }
     state = {}
     for name, tensor in model.state_dict().items():
