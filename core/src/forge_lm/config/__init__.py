@@ -13,6 +13,7 @@ from forge_lm.config._load import (
 from forge_lm.config._schema import (
     CheckpointSection,
     ComponentConfig,
+    DistributedSection,
     EvalSection,
     ForgeConfig,
     MetricsSection,
@@ -28,6 +29,7 @@ __all__ = [
     "CheckpointSection",
     "CliValue",
     "ComponentConfig",
+    "DistributedSection",
     "EvalSection",
     "ForgeConfig",
     "MetricsSection",

@@ -139,7 +139,53 @@ class TrainSection:
         validator=one_of("auto", "fp32", "bf16"),
         metadata=_doc("Autocast dtype; weights stay fp32. 'auto': bf16 on CUDA, fp32 on CPU."),
     )
-    compile: bool = attrs.field(default=False, metadata=_doc("torch.compile the model."))
+    compile: bool = attrs.field(
+        default=False, metadata=_doc("torch.compile each transformer block (the last model transform).")
+    )
+    activation_checkpointing: str = attrs.field(
+        default="none",
+        validator=one_of("none", "full", "selective"),
+        metadata=_doc(
+            "Recompute activations in backward to save memory: 'full' recomputes every block, "
+            "'selective' keeps matmul and attention outputs and recomputes the rest."
+        ),
+    )
+
+
+@attrs.frozen
+class DistributedSection:
+    """How the ranks of a ``torchrun`` launch split the work: their product is the world size.
+
+    Mesh dimensions, outermost first: pipeline (``pp``), replicated data parallel
+    (``dp_replicate``), sharded data parallel (``dp_shard``), tensor parallel (``tp``). The
+    expert-parallel degree ``ep`` divides ``dp_shard``: expert-parallel ranks are
+    data-parallel ranks that also split the experts, so each reads its own data.
+    """
+
+    dp_replicate: int = attrs.field(
+        default=1, validator=positive, metadata=_doc("Data-parallel replicas (HSDP when dp_shard > 1 too).")
+    )
+    dp_shard: int = attrs.field(
+        default=-1, metadata=_doc("Ranks each FSDP2 shard group spans; -1 = the ranks the other degrees leave.")
+    )
+    tp: int = attrs.field(
+        default=1, validator=positive, metadata=_doc("Tensor-parallel degree (with sequence parallel).")
+    )
+    pp: int = attrs.field(default=1, validator=positive, metadata=_doc("Pipeline stages."))
+    ep: int = attrs.field(
+        default=1,
+        validator=positive,
+        metadata=_doc("Expert-parallel degree (a plugin's MoE layers); divides dp_shard."),
+    )
+    pp_schedule: str = attrs.field(
+        default="1f1b",
+        validator=one_of("1f1b", "gpipe"),
+        metadata=_doc("Pipeline schedule; its microbatches are [train] grad_accum_steps."),
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.dp_shard != -1 and self.dp_shard < 1:
+            raise FieldError("dp_shard", f"must be -1 (the rest) or at least 1, got {self.dp_shard}")
 
 
 @attrs.frozen
@@ -213,6 +259,7 @@ class ForgeConfig:
     checkpoint: CheckpointSection = attrs.field(factory=CheckpointSection)
     resilience: ResilienceSection = attrs.field(factory=ResilienceSection)
     metrics: MetricsSection = attrs.field(factory=MetricsSection)
+    distributed: DistributedSection = attrs.field(factory=DistributedSection)
 
 
 def check_cross_section(config: ForgeConfig) -> list[tuple[str, str]]:

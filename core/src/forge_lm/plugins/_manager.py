@@ -42,6 +42,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "core.metrics": "forge_lm.default_plugins.metrics",
     "core.tokenizers": "forge_lm.default_plugins.tokenizers",
     "core.feed_forwards": "forge_lm.default_plugins.feed_forwards",
+    "core.transforms": "forge_lm.default_plugins.transforms",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,26 +20,27 @@ class Evaluator:
         dataset: Any,
         batch_size: int,
         steps: int,
-        loss_fn: Any,
         device: torch.device,
         dtype: torch.dtype | None,
     ) -> None:
         self.loader = BatchLoader(dataset, batch_size)
         self.start = self.loader.state_dict()
         self.steps = steps
-        self.loss_fn = loss_fn
         self.device = device
         self.dtype = dtype
 
     @torch.no_grad()
-    def run(self, model: torch.nn.Module) -> dict[str, float]:
+    def run(
+        self, loss_of: Callable[[dict[str, torch.Tensor]], float], reduce: Callable[[float], float]
+    ) -> dict[str, float]:
+        """``loss_of(batch)``: this rank's loss of one batch; ``reduce``: the mean over the
+        data-parallel ranks (each evaluates its own slice of the same batches)."""
         self.loader.load_state_dict(self.start)
         batches = iter(self.loader)
         losses = []
         for _ in range(self.steps):
             batch = {key: value.to(self.device) for key, value in next(batches).items()}
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
-                logits = model(batch["input_ids"], batch.get("document_ids"))
-                losses.append(self.loss_fn(logits, batch["labels"]).item())
-        loss = sum(losses) / len(losses)
+                losses.append(loss_of(batch))
+        loss = reduce(sum(losses) / len(losses))
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0))}

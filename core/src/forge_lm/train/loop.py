@@ -24,6 +24,21 @@ import torch
 from forge_lm.checkpoint import CheckpointManager
 from forge_lm.config import ForgeConfig, to_data
 from forge_lm.data.loader import BatchLoader
+from forge_lm.distributed import (
+    ParallelDims,
+    TransformContext,
+    apply_model_transforms,
+    detect_launch,
+    dp_coordinates,
+    init_distributed,
+    is_main_process,
+    shutdown_distributed,
+)
+from forge_lm.distributed.consistency import check_same_plugins
+from forge_lm.distributed.grads import clip_grad_norm
+from forge_lm.distributed.launch import on_main_process, rank_device
+from forge_lm.distributed.pipeline import PipelineRunner
+from forge_lm.distributed.reduce import mean_over_data_parallel
 from forge_lm.errors import ConfigError
 from forge_lm.losses.aux import collect_aux
 from forge_lm.metrics.mfu import mfu, peak_flops
@@ -64,8 +79,10 @@ class _Parts:
 
     device: torch.device
     dtype: torch.dtype | None
-    model: torch.nn.Module
-    forward: Any  # the model, compiled when train.compile is set
+    dims: ParallelDims
+    mesh: Any  # the device mesh; None in one process
+    model: torch.nn.Module  # this rank's part of the model, transformed (sharded, compiled, ...)
+    pipeline: PipelineRunner | None
     optimizer: torch.optim.Optimizer
     scheduler: Any
     loss_fn: Any
@@ -74,50 +91,80 @@ class _Parts:
     backends: list[Any]
     tokens_per_step: int
     flops_per_token: float
-    peak_flops: float
+    peak_flops: float  # of the whole world: one device's peak times the number of ranks
+
+    @property
+    def pp_group(self) -> Any:
+        return self.mesh["pp"].get_group() if self.dims.pp > 1 else None
 
 
 def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
-    """Build every component from the registry. Raises on any bad config or missing
-    dependency; writes nothing."""
+    """Join the process group (under torchrun), then build every component from the registry.
+    Raises on any bad config or missing dependency; writes nothing."""
     registry = manager.registry
-    device = resolve_device(config.train.device)
+    launch = detect_launch()
+    dims = ParallelDims.resolve(config, launch.world_size)  # checked before any process group exists
+    device = rank_device(resolve_device(config.train.device), launch)
     dtype = autocast_dtype(config.train.precision, device)
-    seed_everything(config.train.seed)
+    init_distributed(launch, device)
+    mesh = dims.build_mesh(device.type)
+    check_same_plugins(manager.manifest(), manager.manifest_hash())
+    dp_rank, dp_size = dp_coordinates(mesh)
+    seed_everything(config.train.seed)  # every rank builds the same initial model
     tokenizer = build(registry, "tokenizers", config.tokenizer)
     vocab_size = _vocab_size(config, tokenizer)
     model = build_model(config.model, vocab_size, registry).to(device)
+    flops = flops_per_token(config.model, active_parameter_count(model), config.train.seq_len)
+    pipeline = None
+    if dims.pp > 1:
+        pipeline = PipelineRunner(model, dims, mesh, device, dtype, config.train.grad_accum_steps)
+        model = pipeline.module  # this rank's stage; the transforms below apply to it
+    applied = apply_model_transforms(model, TransformContext(config, dims, mesh, device, dtype), registry)
     optimizer = build(registry, "optimizers", config.optimizer, model)
     loss_fn = build(registry, "losses", config.loss)
+    if pipeline is not None:
+        pipeline.finish(loss_fn)
     evaluator = None
     if config.eval.interval:
-        eval_data = build_dataset(config, registry, tokenizer, vocab_size, "eval")
-        evaluator = Evaluator(eval_data, config.train.batch_size, config.eval.steps, loss_fn, device, dtype)
+        eval_data = build_dataset(config, registry, tokenizer, vocab_size, "eval", dp_rank, dp_size)
+        evaluator = Evaluator(eval_data, config.train.batch_size, config.eval.steps, device, dtype)
+    if dims.distributed and is_main_process():
+        print(f"forge: {dims.describe()}; model transforms: {', '.join(applied) or 'none'}", file=sys.stderr)
+    train_data = build_dataset(config, registry, tokenizer, vocab_size, "train", dp_rank, dp_size)
     return _Parts(
         device=device,
         dtype=dtype,
+        dims=dims,
+        mesh=mesh,
         model=model,
-        forward=torch.compile(model) if config.train.compile else model,
+        pipeline=pipeline,
         optimizer=optimizer,
         scheduler=build(registry, "schedulers", config.scheduler, optimizer, config.train.max_steps),
         loss_fn=loss_fn,
-        train_batches=BatchLoader(
-            build_dataset(config, registry, tokenizer, vocab_size, "train"), config.train.batch_size
-        ),
+        train_batches=BatchLoader(train_data, config.train.batch_size),
         evaluator=evaluator,
-        backends=build_metrics_backends(config, registry, Path(config.train.output_dir)),
-        tokens_per_step=config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps,
-        flops_per_token=flops_per_token(config.model, active_parameter_count(model), config.train.seq_len),
-        peak_flops=peak_flops(device, dtype, config.metrics.peak_flops),
+        # Metrics are the main process's job; the others report through it.
+        backends=build_metrics_backends(config, registry, Path(config.train.output_dir)) if is_main_process() else [],
+        tokens_per_step=config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps * dp_size,
+        flops_per_token=flops,
+        peak_flops=peak_flops(device, dtype, config.metrics.peak_flops) * dims.world_size,
     )
 
 
 def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
+    """Train the run ``config`` describes; under ``torchrun`` every rank calls this."""
+    try:
+        return _train(config, manager)
+    finally:
+        shutdown_distributed()
+
+
+def _train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
     parts = _build(config, manager)
     model, optimizer, backends = parts.model, parts.optimizer, parts.backends
     # Only now, with everything built, is the run directory written (or found, to resume):
     # a failed start leaves nothing behind.
-    run_dir, resuming = prepare_run_dir(config, manager)
+    run_dir, resuming = on_main_process(lambda: prepare_run_dir(config, manager))
     checkpoints = CheckpointManager(run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save)
     context = TrainContext(config, run_dir, model, optimizer, parts.scheduler)
     if resuming:  # before any backend starts: plugins get their state back first (a tracker's run id)
@@ -133,9 +180,7 @@ def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
         with PreemptionWatcher(config.resilience.signal_timeout) as preemption:
             while context.step < config.train.max_steps:
                 lr = optimizer.param_groups[0]["lr"]
-                loss, grad_norm, aux = _train_step(
-                    parts.forward, batches, parts.loss_fn, optimizer, config, parts.device, parts.dtype
-                )
+                loss, grad_norm, aux = _train_step(parts, batches, config)
                 if agree(not (math.isfinite(loss) and math.isfinite(grad_norm))):
                     bad_steps += 1
                     _handle_bad_step(context, checkpoints, parts.train_batches, manager, loss, grad_norm, bad_steps)
@@ -189,7 +234,8 @@ def _divides(interval: int, step: int) -> bool:
 
 def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> None:
     with _evaluation_mode(parts.model, parts.optimizer):
-        results = parts.evaluator.run(parts.forward)
+        loss_of = parts.pipeline.eval_loss if parts.pipeline is not None else _loss_of(parts.model, parts.loss_fn)
+        results = parts.evaluator.run(loss_of, lambda value: mean_over_data_parallel(value, parts.mesh, parts.dims))
     for extra in manager.hook.forge_lm_eval_end(context=context, step=context.step, metrics=dict(results)):
         results.update(extra)
     _log(parts.backends, context.step, results)
@@ -251,33 +297,40 @@ def _restore(
 
 
 def _train_step(
-    model: torch.nn.Module,
-    batches: Iterator[dict[str, torch.Tensor]],
-    loss_fn: Any,
-    optimizer: torch.optim.Optimizer,
-    config: ForgeConfig,
-    device: torch.device,
-    dtype: torch.dtype | None,
+    parts: _Parts, batches: Iterator[dict[str, torch.Tensor]], config: ForgeConfig
 ) -> tuple[float, float, dict[str, float]]:
     """Gradients of one optimizer step over ``grad_accum_steps`` micro-batches, clipped; returns
-    (loss, grad norm before clipping, aux). The caller steps the optimizer if all is finite."""
+    (loss averaged over the data-parallel ranks, global grad norm before clipping, aux). The
+    caller steps the optimizer if all is finite."""
+    model, optimizer, device, dtype = parts.model, parts.optimizer, parts.device, parts.dtype
     accum = config.train.grad_accum_steps
     optimizer.zero_grad(set_to_none=True)
-    loss_sum, aux_logged = 0.0, {}
-    for micro in range(accum):
-        batch = next(batches)
-        with _gradient_sync(model, enabled=micro == accum - 1), collect_aux() as aux:
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                logits = model(batch["input_ids"], batch.get("document_ids"))
-                loss = loss_fn(logits, batch["labels"])
-            aux_total = aux.total()
-            full = loss if aux_total is None else loss + aux_total
-            (full / accum).backward()
-        loss_sum += loss.item()
-        aux_logged = aux.logged()  # statistics of the last micro-batch
+    if parts.pipeline is not None:  # the schedule runs the micro-batches through the stages
+        micro_batches = [next(batches) for _ in range(accum)]
+        loss_sum, aux_logged = parts.pipeline.train_step(micro_batches) * accum, {}
+    else:
+        loss_sum, aux_logged = 0.0, {}
+        for micro in range(accum):
+            batch = next(batches)
+            with _gradient_sync(model, enabled=micro == accum - 1), collect_aux() as aux:
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    logits = model(batch["input_ids"], batch.get("document_ids"))
+                    loss = parts.loss_fn(logits, batch["labels"])
+                aux_total = aux.total()
+                full = loss if aux_total is None else loss + aux_total
+                (full / accum).backward()
+            loss_sum += loss.item()
+            aux_logged = aux.logged()  # statistics of the last micro-batch
     max_norm = config.train.grad_clip or math.inf  # inf: measure the norm without clipping
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
-    return loss_sum / accum, grad_norm, aux_logged
+    grad_norm = clip_grad_norm(model.parameters(), max_norm, parts.pp_group)
+    return mean_over_data_parallel(loss_sum / accum, parts.mesh, parts.dims), grad_norm, aux_logged
+
+
+def _loss_of(model: torch.nn.Module, loss_fn: Any) -> Any:
+    def loss_of(batch: dict[str, torch.Tensor]) -> float:
+        return loss_fn(model(batch["input_ids"], batch.get("document_ids")), batch["labels"]).item()
+
+    return loss_of
 
 
 def _gradient_sync(model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:

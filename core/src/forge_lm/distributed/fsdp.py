@@ -1,0 +1,51 @@
+"""FSDP2 (``fully_shard``): every parameter sharded over the data-parallel ranks.
+
+Each transformer block is one FSDP unit (its parameters are gathered just before it runs and
+freed after), then the root holds the rest (embedding, final norm, head). With
+``dp_replicate > 1`` the mesh is 2-D and FSDP2 runs as HSDP: sharded within a group,
+replicated across groups. With bf16 precision the parameters are gathered and computed in
+bf16 and gradients reduced in fp32, while the sharded master weights stay fp32.
+
+A submodule may set ``fsdp_mesh_dims`` (a tuple of mesh dimension names) to be sharded as its
+own unit over those dimensions, before its block: the MoE plugin shards expert weights, which
+expert parallelism already split over ``ep``, over the remaining data-parallel ranks this way.
+Gradients of every unit are divided by the number of data-parallel ranks (``dp_size``): each
+rank's loss is the mean over its own tokens, and the step's loss is the mean over ranks (FSDP2's
+default for units over the whole data-parallel mesh; set explicitly for the others).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from forge_lm.distributed.activation_checkpointing import transformer_blocks
+from forge_lm.distributed.transforms import ModelTransform, TransformContext
+
+
+def _enabled(context: TransformContext) -> bool:
+    return context.dims.dp_size > 1
+
+
+def _apply(model: nn.Module, context: TransformContext) -> None:
+    dims = context.dims
+    names = ("dp_replicate", "dp_shard") if dims.dp_replicate > 1 else ("dp_shard",)
+    mesh = context.submesh(*names)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if context.dtype else None
+    common = {"mp_policy": policy} if policy is not None else {}
+    # Under pipeline parallelism every microbatch would gather the weights again: keep them.
+    reshard = dims.pp == 1
+    for module in model.modules():
+        unit_dims = getattr(module, "fsdp_mesh_dims", None)
+        if unit_dims:
+            fully_shard(module, mesh=context.submesh(*unit_dims), reshard_after_forward=reshard, **common)
+            module.set_gradient_divide_factor(float(dims.dp_size))
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **common)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **common)
+
+
+def fsdp2_transform(options: object) -> ModelTransform:
+    """The ``fsdp2`` transform (slot ``data_parallel``): on when more than one rank reads data."""
+    return ModelTransform(slot="data_parallel", enabled=_enabled, apply=_apply)

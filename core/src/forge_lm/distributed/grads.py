@@ -1,0 +1,50 @@
+"""The global gradient norm and clipping, correct whatever meshes the parameters live on.
+
+Parameters may be plain tensors (one process, or replicated), DTensors on the data-parallel
+and tensor-parallel mesh, or DTensors on another mesh (experts split over ``ep``); pipeline
+stages hold disjoint parameters. The norm is computed per mesh (one reduction each), summed
+as squares, then summed over the pipeline stages, so every rank clips with the same norm: the
+norm of the whole model's gradient, as in one process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def global_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The 2-norm of every gradient of ``parameters`` (and of the other pipeline stages'), fp32."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = grad.device_mesh if isinstance(grad, DTensor) else None
+        by_mesh.setdefault(key, []).append(grad)
+    device = grads[0].device if grads else torch.device("cpu")
+    squared = torch.zeros((), dtype=torch.float32, device=device)
+    for mesh, group in by_mesh.items():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        if mesh is not None:
+            norm = norm.full_tensor()  # partial norms of the shards, reduced over the mesh
+        squared = squared + norm.float().to(device) ** 2
+    if pp_group is not None:
+        dist.all_reduce(squared, group=pp_group)
+    return squared.sqrt()
+
+
+def clip_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
+) -> float:
+    """Scale the gradients so their global norm is at most ``max_norm`` (0 or inf: measure only);
+    returns the norm before clipping."""
+    parameters = list(parameters)
+    norm = global_grad_norm(parameters, pp_group)
+    if max_norm and math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm.item()

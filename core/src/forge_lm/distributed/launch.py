@@ -1,0 +1,147 @@
+"""Find out how the process was launched and join its process group.
+
+``torchrun`` (also under SLURM: ``srun torchrun ...``) sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. A plain ``srun`` launch of one task per
+rank sets only SLURM's variables; they are translated, and the rendezvous address must then
+come from ``MASTER_ADDR``/``MASTER_PORT`` (the scripts in ``examples/slurm`` export them).
+A process with neither is a single-process run and joins no group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from forge_lm.errors import ConfigError, ForgeError
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class Launch:
+    """This process's place in the launch."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    launcher: str = "single"  # "torchrun", "slurm" or "single"
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def detect_launch(environ: Mapping[str, str] | None = None) -> Launch:
+    """The launch described by the environment (``os.environ`` by default)."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return Launch(
+            rank=_int(env, "RANK"),
+            world_size=_int(env, "WORLD_SIZE"),
+            local_rank=_int(env, "LOCAL_RANK", default=0),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", default=1) > 1:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in env:
+                raise ConfigError(
+                    f"launched by srun with {env['SLURM_NTASKS']} tasks but {name} is not set; export "
+                    "MASTER_ADDR (the first node) and MASTER_PORT in the job script, or launch with "
+                    "'srun torchrun ...' (see examples/slurm)."
+                )
+        return Launch(
+            rank=_int(env, "SLURM_PROCID"),
+            world_size=_int(env, "SLURM_NTASKS"),
+            local_rank=_int(env, "SLURM_LOCALID", default=0),
+            launcher="slurm",
+        )
+    return Launch()
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    if name not in env:
+        if default is None:
+            raise ConfigError(f"the launch environment lacks {name}")
+        return default
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ConfigError(f"the launch environment has {name}={env[name]!r}, which is not an integer") from None
+
+
+def rank_device(device: torch.device, launch: Launch) -> torch.device:
+    """The device of this rank: on CUDA, the GPU of its local rank (one GPU per process)."""
+    if device.type == "cuda" and launch.distributed:
+        if device.index is not None and device.index != launch.local_rank:
+            raise ConfigError(
+                f"[train] device: '{device}' names one GPU, but a distributed run uses the GPU of each "
+                "rank's LOCAL_RANK; set device = 'cuda' or 'auto'."
+            )
+        if launch.local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"local rank {launch.local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
+                "launch at most that many processes per node (--nproc_per_node)."
+            )
+        return torch.device("cuda", launch.local_rank)
+    return device
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA tensors (gloo beside it for the few CPU collectives); gloo on CPU."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(launch: Launch, device: torch.device, timeout_s: float = 600.0) -> None:
+    """Join the launch's process group (once); a no-op for a single process."""
+    if not launch.distributed or dist.is_initialized():
+        return
+    if launch.launcher == "slurm":  # env:// reads these
+        os.environ.setdefault("RANK", str(launch.rank))
+        os.environ.setdefault("WORLD_SIZE", str(launch.world_size))
+        os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend_for(device),
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the world, or the only process: the one that writes shared files and metrics."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def on_main_process(action: Callable[[], T]) -> T:
+    """Run ``action`` on rank 0 only and hand its result (or its ForgeError) to every rank, so
+    that one rank's failure stops all of them instead of leaving them waiting."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return action()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", action())
+        except ForgeError as exc:
+            box[0] = ("error", exc)
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,156 @@
+"""Parallel degrees: checked against the world size and the model, then laid out as a device mesh.
+
+The mesh has four dimensions, outermost first::
+
+    pp x dp_replicate x dp_shard x tp
+
+With expert parallelism (``ep > 1``) ``dp_shard`` is itself split in two, ``efsdp x ep``, and
+flattened back under the name ``dp_shard``: the ``ep`` ranks of a shard group are data-parallel
+ranks that also split the experts, so every one of them reads its own slice of the global batch
+(the reference gave them the same batch, which made expert gradients ``ep`` times too large).
+``dp`` flattens ``dp_replicate x dp_shard``: the ranks that read different data. Ranks that
+differ only in their ``tp`` or ``pp`` coordinate read the same data.
+"""
+
+from __future__ import annotations
+
+import attrs
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from forge_lm.config import DistributedSection, ForgeConfig
+from forge_lm.errors import ConfigError
+
+MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
+MESH_DIMS_NO_EP = ("pp", "dp_replicate", "dp_shard", "tp")  # ep = 1: dp_shard needs no split
+
+
+class ForgeMesh:
+    """The root device mesh and its flattened dimensions, addressed alike: ``mesh["tp"]``,
+    ``mesh["dp"]``, ``mesh["dp_replicate", "dp_shard"]``. (torch wants flattened meshes kept by
+    their creator rather than sliced out of the root again.)"""
+
+    def __init__(self, root: DeviceMesh, flattened: dict[str, DeviceMesh]) -> None:
+        self.root = root
+        self.flattened = flattened
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(names, str) and names in self.flattened:
+            return self.flattened[names]
+        return self.root[names]
+
+    def has(self, name: str) -> bool:
+        return name in self.flattened or name in (self.root.mesh_dim_names or ())
+
+
+@attrs.frozen
+class ParallelDims:
+    """Resolved degrees whose product is ``world_size`` (``dp_shard`` includes ``ep``)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    pp_schedule: str = "1f1b"
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that read different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @classmethod
+    def resolve(cls, config: ForgeConfig, world_size: int) -> ParallelDims:
+        """The degrees ``config.distributed`` asks for on ``world_size`` ranks, or a ConfigError
+        naming the rule broken and what to change."""
+        section: DistributedSection = config.distributed
+        fixed = section.dp_replicate * section.tp * section.pp
+        dp_shard = section.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(
+                    f"[distributed] dp_replicate * tp * pp = {section.dp_replicate} * {section.tp} * {section.pp} "
+                    f"= {fixed} does not divide the world size {world_size}; change the degrees or the number "
+                    "of processes (torchrun --nproc_per_node)."
+                )
+            dp_shard = world_size // fixed
+        dims = cls(section.dp_replicate, dp_shard, section.tp, section.pp, section.ep, section.pp_schedule)
+        if dims.world_size != world_size:
+            raise ConfigError(
+                f"[distributed] pp * dp_replicate * dp_shard * tp = {section.pp} * {section.dp_replicate} * "
+                f"{dp_shard} * {section.tp} = {dims.world_size}, but {world_size} processes were launched; "
+                "the degrees must multiply to the world size (set dp_shard = -1 to fill the rest)."
+            )
+        dims.check(config)
+        return dims
+
+    def check(self, config: ForgeConfig) -> None:
+        """The rules that tie the degrees to the model and the batch."""
+        model, train = config.model, config.train
+        problems = []
+        if self.dp_shard % self.ep:
+            problems.append(
+                f"ep = {self.ep} must divide dp_shard = {self.dp_shard}: expert-parallel ranks are "
+                "data-parallel ranks that also split the experts"
+            )
+        if self.tp > 1:
+            if model.n_heads % self.tp:
+                problems.append(f"tp = {self.tp} must divide [model] n_heads = {model.n_heads}")
+            if model.kv_heads % self.tp:
+                problems.append(f"tp = {self.tp} must divide the key/value heads ({model.kv_heads})")
+            if train.seq_len % self.tp:
+                problems.append(
+                    f"tp = {self.tp} must divide [train] seq_len = {train.seq_len} (sequence parallelism "
+                    "splits each sequence across the tensor-parallel ranks)"
+                )
+            if model.qk_norm:
+                problems.append("[model] qk_norm is not supported with tensor parallelism yet; set tp = 1")
+        if self.pp > 1:
+            if model.n_layers < self.pp:
+                problems.append(
+                    f"pp = {self.pp} stages need at least as many layers; [model] n_layers = {model.n_layers}"
+                )
+            if self.pp_schedule == "1f1b" and train.grad_accum_steps < self.pp:
+                problems.append(
+                    f"the 1f1b schedule needs at least pp = {self.pp} microbatches; raise [train] "
+                    f"grad_accum_steps (now {train.grad_accum_steps}) or use pp_schedule = 'gpipe'"
+                )
+        if problems:
+            raise ConfigError("[distributed] " + "; ".join(problems) + ".")
+
+    def build_mesh(self, device_type: str) -> ForgeMesh | None:
+        """The world's device mesh (None for one process)."""
+        if not self.distributed:
+            return None
+        if self.ep == 1:
+            root = init_device_mesh(
+                device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS_NO_EP
+            )
+            flattened = {"dp": root["dp_replicate", "dp_shard"]._flatten("dp")}
+        else:
+            shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+            root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+            flattened = {
+                "dp_shard": root["efsdp", "ep"]._flatten("dp_shard"),
+                "dp": root["dp_replicate", "efsdp", "ep"]._flatten("dp"),
+            }
+        return ForgeMesh(root, flattened)
+
+    def describe(self) -> str:
+        parts = [f"{name}={getattr(self, name)}" for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep")]
+        return f"{self.world_size} ranks: " + " ".join(parts)
+
+
+def dp_coordinates(mesh: ForgeMesh | None) -> tuple[int, int]:
+    """``(dp_rank, dp_size)``: which slice of the global batch this rank reads."""
+    if mesh is None:
+        return 0, 1
+    dp = mesh["dp"]
+    return dp.get_local_rank(), dp.size()

@@ -1,0 +1,98 @@
+"""Model transforms: parallelisms and other rewrites of a built model, applied in one fixed order.
+
+Order of the slots (each transform registers into one; the core does not know which exist)::
+
+    tensor_parallel -> expert_parallel -> float8 -> activation_checkpointing -> data_parallel -> compile
+
+Why this order: tensor parallelism replaces weights with DTensors sharded over the ``tp``
+mesh, so it comes first; expert parallelism (a plugin's slot) then splits experts over ``ep``;
+float8 swaps linear layers for ones that see the final local shapes; activation
+checkpointing wraps the computation of each block, which FSDP2 must then shard as one unit;
+FSDP2 shards every parameter over the data-parallel mesh and must see the final parameters;
+``torch.compile`` last, so that it traces the model that actually runs (FSDP2 hooks included).
+Within one slot, transforms run in name order. Pipeline parallelism is not a transform: it
+splits the model into stages first, and every stage then goes through this list.
+
+A transform is registered in the ``model_transforms`` category; its factory takes its
+(empty) options and returns a :class:`ModelTransform`. ``enabled(context)`` decides from the
+config and the mesh whether it applies; ``apply(model, context)`` changes the model in place
+and keeps parameter names (checkpoints and plugins address parameters by name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from forge_lm.config import ForgeConfig
+from forge_lm.distributed.mesh import ParallelDims
+from forge_lm.errors import PluginError
+
+TRANSFORM_ORDER = (
+    "tensor_parallel",
+    "expert_parallel",
+    "float8",
+    "activation_checkpointing",
+    "data_parallel",
+    "compile",
+)
+
+
+@attrs.frozen
+class TransformContext:
+    """What a transform sees: the run's config, degrees, mesh (None in one process), device and
+    autocast dtype (None for fp32)."""
+
+    config: ForgeConfig
+    dims: ParallelDims
+    mesh: Any
+    device: torch.device
+    dtype: torch.dtype | None
+
+    def submesh(self, *names: str) -> Any:
+        """The mesh over ``names`` (e.g. ``"tp"``, ``"dp_shard"``, ``"dp_replicate", "dp_shard"``)."""
+        if self.mesh is None:
+            raise RuntimeError("no device mesh in a single-process run")
+        return self.mesh[names if len(names) > 1 else names[0]]
+
+
+@attrs.frozen
+class ModelTransform:
+    """One registered transform: its slot in :data:`TRANSFORM_ORDER` and two callables."""
+
+    slot: str
+    enabled: Callable[[TransformContext], bool]
+    apply: Callable[[nn.Module, TransformContext], None]
+
+
+def ordered_transforms(registry: Any) -> list[tuple[str, ModelTransform]]:
+    """Every registered transform as ``(name, transform)``, in application order."""
+    found = []
+    for component in registry.components("model_transforms"):
+        transform = component.build(component.options_class())
+        if not isinstance(transform, ModelTransform):
+            raise PluginError(
+                f"model transform '{component.name}' of {component.plugin.label} returned "
+                f"{type(transform).__name__}; its factory must return forge_lm.distributed.ModelTransform."
+            )
+        if transform.slot not in TRANSFORM_ORDER:
+            raise PluginError(
+                f"model transform '{component.name}' of {component.plugin.label} names slot "
+                f"'{transform.slot}'; the slots are {', '.join(TRANSFORM_ORDER)}."
+            )
+        found.append((component.name, transform))
+    return sorted(found, key=lambda item: (TRANSFORM_ORDER.index(item[1].slot), item[0]))
+
+
+def apply_model_transforms(model: nn.Module, context: TransformContext, registry: Any) -> list[str]:
+    """Apply every enabled transform to ``model`` in order; returns the names applied."""
+    applied = []
+    for name, transform in ordered_transforms(registry):
+        if transform.enabled(context):
+            transform.apply(model, context)
+            applied.append(name)
+    return applied
