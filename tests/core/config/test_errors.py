@@ -12,8 +12,8 @@ from forge_lm.plugins import PluginManager, PluginSettings, core_version
 
 CORE = f"forge-lm {core_version()}"
 TRAIN_KEYS = (
-    "Valid keys: 'batch_size', 'compile', 'device', 'grad_accum_steps', 'grad_clip', 'max_steps', 'output_dir', "
-    "'precision', 'seed', 'seq_len'"
+    "Valid keys: 'activation_checkpointing', 'batch_size', 'compile', 'device', 'grad_accum_steps', 'grad_clip', "
+    "'max_steps', 'output_dir', 'precision', 'seed', 'seq_len'"
 )
 
 
@@ -51,8 +51,8 @@ def test_the_old_name_of_a_renamed_key_suggests_the_new_name(error):
 
 
 ALL_SECTIONS = (
-    "'checkpoint', 'data', 'eval', 'loss', 'metrics', 'model', 'optimizer', 'resilience', 'scheduler', 'tokenizer', "
-    "'train'"
+    "'checkpoint', 'data', 'distributed', 'eval', 'loss', 'metrics', 'model', 'optimizer', 'resilience', "
+    "'scheduler', 'tokenizer', 'train'"
 )
 
 

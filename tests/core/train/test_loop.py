@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,7 @@ class _AuxPlugin:
 
 
 def test_auxiliary_losses_reach_the_gradient_once_and_are_logged(tiny_config, manager):
+    from forge_lm.distributed import ParallelDims
     from forge_lm.train.loop import _train_step
 
     manager.add_plugin(_AuxPlugin(), "aux")
@@ -141,9 +143,18 @@ def test_auxiliary_losses_reach_the_gradient_once_and_are_logged(tiny_config, ma
 
     model, batches = fresh()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: only the gradients matter
-    loss, _, aux = _train_step(
-        model, batches, build(manager.registry, "losses", config.loss), optimizer, config, torch.device("cpu"), None
+    parts = types.SimpleNamespace(  # the fields of the loop's _Parts that a step uses, for one process
+        model=model,
+        optimizer=optimizer,
+        loss_fn=build(manager.registry, "losses", config.loss),
+        device=torch.device("cpu"),
+        dtype=None,
+        pipeline=None,
+        pp_group=None,
+        mesh=None,
+        dims=ParallelDims(),
     )
+    loss, _, aux = _train_step(parts, batches, config)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     reference, ref_batches = fresh()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -37,10 +38,15 @@ class CheckpointManager:
     """Checkpoints of one run directory."""
 
     def __init__(self, run_dir: str | Path, keep_last_n: int = 0, async_save: bool = False) -> None:
+        """In a distributed run every rank constructs it (collectively) and calls save and load;
+        every rank writes its own shards, and rank 0 alone writes the shared files."""
         self.root = Path(run_dir) / CHECKPOINTS
         self.keep_last_n = keep_last_n
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1) if async_save else None
         self._pending: concurrent.futures.Future | None = None
+        # A background save runs its collectives on a group of its own, so that they never
+        # interleave with the training step's collectives on the default group.
+        self._group = dist.new_group(backend="gloo") if _distributed() and async_save else None
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -75,15 +81,21 @@ class CheckpointManager:
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], skeleton: dict[str, Any]) -> None:
         path = self.root / f"step_{step}"
-        if self.latest() == path:
+        main = _rank() == 0
+        # Rank 0 looks at the directory and decides for everyone: ranks must not branch apart
+        # around the collective save.
+        if _from_main(self.latest() == path if main else None, self._group):
             return  # already the newest complete checkpoint (e.g. saved again right after resuming)
         try:
-            if path.exists():
+            if main and path.exists():
                 shutil.rmtree(path)  # an incomplete leftover of an interrupted save
+            _barrier(self._group)  # no rank writes its shard before the leftover is gone
             with _single_process_quietly():
-                dcp.save(tensors, checkpoint_id=str(path), no_dist=not _distributed())
-            _write_atomically(path / TRAINER_STATE, json.dumps(skeleton, indent=1) + "\n")
-            _write_atomically(self.root / LATEST, path.name + "\n")
+                dcp.save(tensors, checkpoint_id=str(path), no_dist=not _distributed(), process_group=self._group)
+            # dcp.save returns on rank 0 after every rank's shard and the metadata are written.
+            if main:
+                _write_atomically(path / TRAINER_STATE, json.dumps(skeleton, indent=1) + "\n")
+                _write_atomically(self.root / LATEST, path.name + "\n")
         except OSError as exc:
             shutil.rmtree(path, ignore_errors=True)
             previous = self.latest()
@@ -92,7 +104,8 @@ class CheckpointManager:
                 f"({previous.name if previous else 'none yet'}) is intact; free disk space or fix the "
                 "permissions of the run directory, then run the same command again to resume."
             ) from exc
-        self._prune()
+        if main:
+            self._prune()
 
     def _prune(self) -> None:
         if not self.keep_last_n:
@@ -148,8 +161,15 @@ class CheckpointManager:
         skeleton = json.loads(state_file.read_text())
         reader = SafeReader(str(path))
         stored = reader.read_metadata().state_dict_metadata
-        model_state, _ = get_state_dict(model, optimizer)
-        wanted, _ = split({"model": model_state}, "state")  # the model's own tensors: loaded in place
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        # The model's tensors are loaded in place; the optimizer's into its current state's
+        # tensors, which carry their sharding (DCP reshards from however the checkpoint was
+        # saved); anything else (plugin tensors) into new full tensors.
+        wanted, _ = split({"model": model_state}, "state")
+        current, _ = split({"optimizer": optimizer_state}, "state")
+        for key in tensor_keys(skeleton):
+            if key not in wanted and key in current and key in stored:
+                wanted[key] = current[key]
         for key in tensor_keys(skeleton):
             if key not in wanted:
                 if key not in stored:
@@ -204,7 +224,25 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier(group: Any = None) -> None:
+    if _distributed():
+        dist.barrier(group=group)
+
+
+def _from_main(value: Any, group: Any = None) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 @contextlib.contextmanager

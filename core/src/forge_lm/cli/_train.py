@@ -28,6 +28,7 @@ def run(args, overrides, plugins) -> int:
     config = load_config(path, overrides, manager.registry)
     manager.configure(config)  # every plugin checks the config before anything is built
 
+    from forge_lm.distributed import detect_launch
     from forge_lm.train import train
     from forge_lm.train.resilience import (
         NONFINITE_EXIT_CODE,
@@ -48,5 +49,6 @@ def run(args, overrides, plugins) -> int:
     except NonFiniteLoss as stop:
         print(f"forge: error: {stop}", file=sys.stderr)
         return NONFINITE_EXIT_CODE
-    print(f"trained {result.steps} steps; final loss {result.final_loss:.4f}; run directory {result.run_dir}")
+    if detect_launch().rank == 0:  # under torchrun, one summary line for the whole run
+        print(f"trained {result.steps} steps; final loss {result.final_loss:.4f}; run directory {result.run_dir}")
     return 0

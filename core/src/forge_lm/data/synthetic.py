@@ -20,7 +20,7 @@ EVAL_OFFSET = 1 << 31
 class SyntheticTokens(torch.utils.data.IterableDataset):
     def __init__(self, context: DataContext) -> None:
         self.context = context
-        self._next_index = context.dp_rank
+        self._start = 0  # first global index no rank has drawn yet: the same on every rank
 
     def sample(self, index: int) -> dict[str, torch.Tensor]:
         # The eval split draws from its own index range, so it never repeats a training sample.
@@ -32,15 +32,16 @@ class SyntheticTokens(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
-            index = self._next_index
-            self._next_index += self.context.dp_size
+            index = self._start + self.context.dp_rank
+            self._start += self.context.dp_size
             yield self.sample(index)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_index": self._next_index}
+        # Global, so a checkpoint written by rank 0 resumes any number of ranks exactly.
+        return {"next_index": self._start}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._next_index = int(state["next_index"])
+        self._start = int(state["next_index"])
 
 
 def build_synthetic(options, context: DataContext) -> SyntheticTokens:

@@ -115,7 +115,7 @@ class ParallelDims:
         if self.pp > 1:
             if model.n_layers < self.pp:
                 problems.append(
-                    f"pp = {self.pp} stages need at least as many layers; [model] n_layers = {model.n_layers}"
+                    f"pp = {self.pp} stages need at least {self.pp} layers; [model] n_layers = {model.n_layers}"
                 )
             if self.pp_schedule == "1f1b" and train.grad_accum_steps < self.pp:
                 problems.append(

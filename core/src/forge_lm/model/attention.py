@@ -46,17 +46,20 @@ class Attention(nn.Module):
         ``mask`` (True = may attend) and ``is_causal`` come from :func:`attention_mask`.
         """
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Dh]
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, T, Dh]
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, T, Dh]
+        # Head counts come from the projections' outputs, not from n_heads / n_kv_heads: under
+        # tensor parallelism wq/wk/wv hold this rank's heads only (n_heads / tp and n_kv_heads / tp).
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, H, T, Dh]
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, KV, T, Dh]
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)  # [B, KV, T, Dh]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_index, k, v)  # [B, KV, S, Dh], S = cached + T
+        # The group size n_heads / n_kv_heads is the same on local heads (tp divides both).
         k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # [B, H, T, Dh]
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, std: float, residual_std: float) -> None:
         """Projections ``normal(0, std)``, the residual projection ``wo`` ``normal(0, residual_std)``, norms 1."""

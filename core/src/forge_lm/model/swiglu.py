@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 def swiglu_hidden(dim: int, hidden_multiplier: float, multiple_of: int) -> int:
@@ -31,6 +35,25 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [batch, seq, dim] -> [batch, seq, hidden] -> [batch, seq, dim]
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
+        """How tensor parallelism splits this layer (``{submodule: ParallelStyle}``, see
+        :mod:`forge_lm.distributed.tensor_parallel`): the hidden units across the ranks.
+
+        ``w1``/``w3`` split their output (the hidden units), so ``silu(w1(x)) * w3(x)`` is
+        computed on this rank's units alone; ``w2`` splits its input the same way, and its
+        partial sums are reduce-scattered along the sequence, the layout the residual stream has
+        between layers. The input arrives as the full sequence (the transform gathers it).
+        """
+        # Imported here: torch.distributed.tensor is slow to import and single-process runs never need it.
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {
+            "w1": ColwiseParallel(),
+            "w3": ColwiseParallel(),
+            "w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
 
     def init_weights(self, std: float, residual_std: float) -> None:
         """Gate and up projections ``normal(0, std)``; the residual (down) projection ``normal(0, residual_std)``."""

@@ -90,6 +90,8 @@ class Transformer(nn.Module):
 
     @property
     def tied(self) -> bool:
+        if self.output is None or self.tok_embeddings is None:  # a pipeline stage holds at most one of them
+            return False
         return self.output.weight is self.tok_embeddings.weight
 
     def init_weights(self) -> None:
@@ -125,9 +127,16 @@ class Transformer(nn.Module):
         ``document_ids`` ``[B, T]`` (packed sequences): a token attends only to earlier tokens of
         its own document. ``kv_cache``: the tokens continue those already cached (positions
         start at ``kv_cache.length``) and their keys and values are added to it.
+
+        A pipeline stage (:mod:`forge_lm.distributed.pipeline`) is this model with the parts
+        other stages hold set to ``None`` and ``layers`` a ``ModuleDict`` of its own blocks:
+        without ``tok_embeddings`` the input is the previous stage's hidden state
+        ``[B, T, dim]``; without ``output`` (and ``norm``) the result is the hidden state.
         """
-        if input_ids.ndim != 2:
-            raise ForgeError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}.")
+        embeds = self.tok_embeddings is not None
+        if input_ids.ndim != (2 if embeds else 3):
+            expected = "[batch, seq]" if embeds else "a hidden state [batch, seq, dim]"
+            raise ForgeError(f"input_ids must be {expected}; got shape {tuple(input_ids.shape)}.")
         seq = input_ids.shape[1]
         start = kv_cache.length if kv_cache is not None else 0
         self._check_lengths(start, seq)
@@ -136,18 +145,21 @@ class Transformer(nn.Module):
         if document_ids is not None:
             if kv_cache is not None:
                 raise ForgeError("document_ids and kv_cache cannot be combined; decode one document at a time.")
-            if document_ids.shape != input_ids.shape:
+            if document_ids.shape != input_ids.shape[:2]:
                 raise ForgeError(
                     f"document_ids {tuple(document_ids.shape)} must have the shape of input_ids "
-                    f"{tuple(input_ids.shape)}."
+                    f"{tuple(input_ids.shape[:2])}."
                 )
         mask, is_causal = attention_mask(document_ids, start, seq, input_ids.device)
         cos, sin = self.rope(start, seq)  # [T, head_dim] each
-        h = self.tok_embeddings(input_ids)  # [B, T, dim]
-        for layer in self.layers:
+        h = self.tok_embeddings(input_ids) if embeds else input_ids  # [B, T, dim]
+        layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
+        for layer in layers:
             h = layer(h, cos, sin, mask, is_causal, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(seq)
+        if self.output is None:  # a pipeline stage before the last: the next stage goes on from h
+            return h
         return self.output(self.norm(h))  # [B, T, vocab]
 
     def _check_lengths(self, start: int, seq: int) -> None:

@@ -63,6 +63,7 @@ class TrainContext:
     scheduler: Any
     step: int = 0  # optimizer steps taken
     tokens_seen: int = 0
+    tokens_per_step: int = 0  # the global batch: every data-parallel rank's micro-batches
 
 
 @attrs.frozen
@@ -166,7 +167,7 @@ def _train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
     # a failed start leaves nothing behind.
     run_dir, resuming = on_main_process(lambda: prepare_run_dir(config, manager))
     checkpoints = CheckpointManager(run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save)
-    context = TrainContext(config, run_dir, model, optimizer, parts.scheduler)
+    context = TrainContext(config, run_dir, model, optimizer, parts.scheduler, tokens_per_step=parts.tokens_per_step)
     if resuming:  # before any backend starts: plugins get their state back first (a tracker's run id)
         _restore(checkpoints, context, parts.train_batches, manager)
     for backend in backends:
@@ -289,6 +290,12 @@ def _restore(
         context.scheduler.load_state_dict(state["scheduler"])
         train_batches.load_state_dict(state["data"])
     context.step, context.tokens_seen = state["step"], state["tokens_seen"]
+    saved_batch = state.get("tokens_per_step", context.tokens_per_step)
+    if saved_batch != context.tokens_per_step:  # e.g. resumed on another number of ranks
+        _warn(
+            f"the global batch changed from {saved_batch} to {context.tokens_per_step} tokens per step "
+            "(batch_size x grad_accum_steps x seq_len x data-parallel ranks); the run goes on with the new one"
+        )
     unclaimed = manager.load_states(context, state["plugins"])
     for name in unclaimed:
         _warn(f"checkpoint state of plugin '{name}' was not restored: that plugin is not loaded")
@@ -385,6 +392,7 @@ def _checkpoint(
         "config": to_data(context.config),  # what produced it, even if the run directory is lost
         "manifest": manager.manifest(),
         "tokens_seen": context.tokens_seen,
+        "tokens_per_step": context.tokens_per_step,
         "scheduler": context.scheduler.state_dict(),
         "data": train_batches.state_dict(),
         "plugins": manager.save_states(context),

@@ -21,7 +21,9 @@ from forge_lm.plugins import PluginManager
 CONFIG_FILE = "config.toml"
 MANIFEST_FILE = "plugins.json"
 # Settings a resumed run may not change: the checkpoint would not fit, or would mean another run.
-FIXED_ON_RESUME = ("model.", "tokenizer.", "optimizer.name", "train.seq_len", "train.batch_size", "train.seed")
+# The batch size may change (with a warning): a run resumed on another number of ranks adjusts
+# the per-rank batch to keep the global batch.
+FIXED_ON_RESUME = ("model.", "tokenizer.", "optimizer.name", "train.seq_len", "train.seed")
 
 
 def prepare_run_dir(config: ForgeConfig, manager: PluginManager) -> tuple[Path, bool]:

@@ -1,0 +1,49 @@
+"""How a process learns its place in a launch: torchrun's variables, SLURM's, or none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forge_lm.distributed import Launch, detect_launch
+from forge_lm.distributed.launch import backend_for, rank_device
+from forge_lm.errors import ConfigError
+
+
+def test_no_launcher_is_one_process() -> None:
+    assert detect_launch({}) == Launch(rank=0, world_size=1, local_rank=0, launcher="single")
+    assert not detect_launch({}).distributed
+
+
+def test_torchrun_variables() -> None:
+    launch = detect_launch({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "SLURM_PROCID": "9"})
+    assert launch == Launch(rank=3, world_size=4, local_rank=1, launcher="torchrun")  # torchrun wins
+
+
+def test_srun_tasks_need_a_rendezvous_address() -> None:
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}
+    with pytest.raises(ConfigError) as caught:
+        detect_launch(env)
+    assert "MASTER_ADDR is not set" in str(caught.value)
+    assert "examples/slurm" in str(caught.value)
+    launch = detect_launch({**env, "MASTER_ADDR": "node1", "MASTER_PORT": "29500"})
+    assert launch == Launch(rank=1, world_size=2, local_rank=1, launcher="slurm")
+
+
+def test_a_single_slurm_task_is_one_process() -> None:
+    assert not detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).distributed
+
+
+def test_malformed_variable_is_named() -> None:
+    with pytest.raises(ConfigError, match="RANK='x'"):
+        detect_launch({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+def test_backend_follows_the_device() -> None:
+    assert backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+
+
+def test_cpu_ranks_keep_the_cpu() -> None:
+    launch = Launch(rank=1, world_size=2, local_rank=1, launcher="torchrun")
+    assert rank_device(torch.device("cpu"), launch) == torch.device("cpu")

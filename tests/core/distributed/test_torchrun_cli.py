@@ -1,0 +1,128 @@
+"""``forge train`` under ``torchrun --nproc_per_node=2`` on CPU, as the README documents it:
+the same losses as one process on the same global batch, checkpoints that resume on another
+number of ranks, and a clear error when the ranks' plugins differ."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forge_lm.testing.distributed import torchrun
+
+# Per-rank batch 2 on 2 ranks = batch 4 in one process. A constant learning rate, so that a run
+# stopped early and resumed follows the same schedule as one that never stopped.
+TINY = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--train.seq_len=16",
+    "--train.grad_accum_steps=2",
+    "--metrics.log_interval=1",
+    '--metrics.backends=["jsonl"]',
+    "--metrics.peak_flops=1e12",
+    "--eval.interval=2",
+    "--eval.steps=2",
+    "--data.name=synthetic",
+    "--scheduler.name=constant",
+    "--checkpoint.interval=2",
+]
+
+
+def _one_process(run_dir: Path, steps: int) -> subprocess.CompletedProcess:
+    args = [*TINY, "--train.batch_size=4", f"--train.max_steps={steps}", f"--train.output_dir={run_dir}"]
+    return subprocess.run(
+        [sys.executable, "-m", "forge_lm", "train", "--no-plugin-autoload", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def _two_ranks(run_dir: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    args = [*TINY, "--train.batch_size=2", f"--train.max_steps={steps}", f"--train.output_dir={run_dir}", *extra]
+    return torchrun(["-m", "forge_lm", "train", "--no-plugin-autoload", *args], nproc=2)
+
+
+def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def _metrics(run_dir: Path) -> dict[int, dict[str, float]]:
+    """The newest record of each step (a resumed run may log a step again)."""
+    steps: dict[int, dict[str, float]] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps.setdefault(record["step"], {}).update(record)
+    return steps
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, float]]:
+    """Four steps in one process: what every layout below must reproduce."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    _ok(_one_process(run_dir, 4))
+    return _metrics(run_dir)
+
+
+def _assert_same_steps(actual, expected, steps) -> None:
+    for step in steps:
+        for key in ("loss", "grad_norm", "eval/loss"):
+            if key in expected[step]:
+                assert actual[step][key] == pytest.approx(expected[step][key], rel=1e-5), (step, key)
+
+
+def test_two_ranks_train_like_one_process(tmp_path: Path, reference) -> None:
+    run_dir = tmp_path / "run"
+    result = _ok(_two_ranks(run_dir, 4))
+    assert "2 ranks: dp_replicate=1 dp_shard=2 tp=1 pp=1 ep=1; model transforms: fsdp2" in result.stderr
+    assert result.stdout.count("trained 4 steps") == 1  # one summary, from rank 0
+    _assert_same_steps(_metrics(run_dir), reference, [1, 2, 3, 4])
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step_4").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]  # each rank wrote its own shard
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, reference) -> None:
+    run_dir = tmp_path / "run"
+    _ok(_two_ranks(run_dir, 2))
+    resumed = _ok(_one_process(run_dir, 4))
+    assert "resumed from" in resumed.stderr
+    assert "global batch changed" not in resumed.stderr  # 2 ranks x 2 = 1 rank x 4
+    _assert_same_steps(_metrics(run_dir), reference, [3, 4])
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path, reference) -> None:
+    run_dir = tmp_path / "run"
+    _ok(_one_process(run_dir, 2))
+    _ok(_two_ranks(run_dir, 4))
+    _assert_same_steps(_metrics(run_dir), reference, [3, 4])
+
+
+RANK_ONE_BLOCKS_A_PLUGIN = """
+import os, sys
+if os.environ["RANK"] == "1":
+    os.environ["FORGE_LM_BLOCK_PLUGINS"] = "core.transforms"
+from forge_lm.cli._main import main
+sys.exit(main())
+"""
+
+
+def test_ranks_with_different_plugins_stop_with_the_difference(tmp_path: Path) -> None:
+    script = tmp_path / "launch.py"
+    script.write_text(RANK_ONE_BLOCKS_A_PLUGIN)
+    run_dir = tmp_path / "run"
+    args = [*TINY, "--train.batch_size=2", "--train.max_steps=1", f"--train.output_dir={run_dir}"]
+    result = torchrun([str(script), "train", "--no-plugin-autoload", *args], nproc=2)
+    assert result.returncode != 0
+    assert "the ranks resolved different plugin sets (compared with rank 0)" in result.stderr
+    assert "rank 1: lacks plugin 'core.transforms' (forge-lm)" in result.stderr
+    assert "forge_lm/" not in result.stderr  # a message, not a traceback through Forge (torchrun adds its own)
+    assert not run_dir.exists()  # nothing was written
