@@ -19,7 +19,7 @@ def _config(manager, *overrides: str):
         ((), 1, (1, 1, 1, 1, 1)),
         ((), 8, (1, 8, 1, 1, 1)),
         (("--distributed.tp=2",), 8, (1, 4, 2, 1, 1)),
-        (("--distributed.dp_replicate=2", "--distributed.pp=2"), 8, (2, 2, 1, 2, 1)),
+        (("--distributed.dp_replicate=2", "--distributed.pp=2", "--model.tie_embeddings=false"), 8, (2, 2, 1, 2, 1)),
         (("--distributed.ep=2",), 4, (1, 4, 1, 1, 2)),
         (("--distributed.dp_shard=2", "--distributed.tp=2"), 4, (1, 2, 2, 1, 1)),
     ],
@@ -46,7 +46,8 @@ def test_dp_shard_fills_the_world(manager, overrides, world, expected) -> None:
         (("--distributed.tp=2", "--model.qk_norm=true"), 2, "qk_norm is not supported with tensor parallelism"),
         (("--distributed.ep=2", "--distributed.dp_shard=3"), 3, "ep = 2 must divide dp_shard = 3"),
         (("--distributed.pp=8", "--train.grad_accum_steps=8"), 8, "pp = 8 stages need at least 8 layers"),
-        (("--distributed.pp=2",), 2, "the 1f1b schedule needs at least pp = 2 microbatches"),
+        (("--distributed.pp=2", "--model.tie_embeddings=false"), 2, "1f1b schedule needs at least pp = 2 microbatches"),
+        (("--distributed.pp=2", "--train.grad_accum_steps=2"), 2, "set [model] tie_embeddings = false for pipeline"),
     ],
 )
 def test_bad_combinations_name_the_rule(manager, overrides, world, message) -> None:
@@ -57,7 +58,7 @@ def test_bad_combinations_name_the_rule(manager, overrides, world, message) -> N
 
 
 def test_gpipe_needs_no_more_microbatches_than_one(manager) -> None:
-    config = _config(manager, "--distributed.pp=2", "--distributed.pp_schedule=gpipe")
+    config = _config(manager, "--distributed.pp=2", "--distributed.pp_schedule=gpipe", "--model.tie_embeddings=false")
     assert ParallelDims.resolve(config, 2).pp == 2
 
 

@@ -33,8 +33,8 @@ TINY = [
 ]
 
 
-def _one_process(run_dir: Path, steps: int) -> subprocess.CompletedProcess:
-    args = [*TINY, "--train.batch_size=4", f"--train.max_steps={steps}", f"--train.output_dir={run_dir}"]
+def _one_process(run_dir: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    args = [*TINY, "--train.batch_size=4", f"--train.max_steps={steps}", f"--train.output_dir={run_dir}", *extra]
     return subprocess.run(
         [sys.executable, "-m", "forge_lm", "train", "--no-plugin-autoload", *args],
         capture_output=True,
@@ -104,6 +104,18 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path, reference) -> 
     _ok(_one_process(run_dir, 2))
     _ok(_two_ranks(run_dir, 4))
     _assert_same_steps(_metrics(run_dir), reference, [3, 4])
+
+
+def test_pipeline_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
+    """Under pipeline parallelism each rank holds one stage; the checkpoint holds them all."""
+    untied = "--model.tie_embeddings=false"
+    expected_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    _ok(_one_process(expected_dir, 4, untied))
+    _ok(_two_ranks(run_dir, 2, untied, "--distributed.pp=2", "--train.batch_size=4"))  # pp ranks share data
+    resumed = _ok(_one_process(run_dir, 4, untied))
+    assert "resumed from" in resumed.stderr
+    expected, actual = _metrics(expected_dir), _metrics(run_dir)
+    _assert_same_steps(actual, expected, [1, 2, 3, 4])
 
 
 RANK_ONE_BLOCKS_A_PLUGIN = """

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from forge_lm.checkpoint._safe import SafeReader, TensorsOnlyPlanner, UnsafeCheckpointError
-from forge_lm.checkpoint._tree import join, split, tensor_keys
+from forge_lm.checkpoint._tree import join, merge_rank_skeletons, restrict_to_rank, split, tensor_keys
 from forge_lm.errors import ForgeError
 
 CHECKPOINTS = "checkpoints"
@@ -62,6 +62,10 @@ class CheckpointManager:
         skeleton["rng"] = rng_state()
         skeleton["step"] = step
         json.dumps(skeleton)  # fails now, before anything is written, if something is not plain data
+        if _distributed():  # pipeline stages hold different parameters: describe them all
+            skeletons: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(skeletons, skeleton)
+            skeleton = merge_rank_skeletons(skeletons)
         if self._executor is None:
             self._write(step, tensors, skeleton)
             return
@@ -138,9 +142,12 @@ class CheckpointManager:
 
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """Restore the newest usable checkpoint into ``model`` and ``optimizer``; return its
-        trainer state (with ``step``), or None when there is none. Unusable ones are reported."""
+        trainer state (with ``step``), or None when there is none. Unusable ones are reported.
+
+        In a distributed run every rank calls it; rank 0 names the candidates, and a checkpoint
+        that fails on any rank is passed over on all of them."""
         passed_over = []
-        for path in self.candidates():
+        for path in _from_main(self.candidates()):
             try:
                 state = self._load(path, model, optimizer)
             except UnsafeCheckpointError:
@@ -154,14 +161,15 @@ class CheckpointManager:
             raise ForgeError("no usable checkpoint in " + str(self.root) + ":\n  " + "\n  ".join(passed_over))
         return None
 
-    def _load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def _prepare(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any, Any]:
+        """What to read from ``path`` into this rank's model and optimizer; raises if it cannot fit."""
         state_file = path / TRAINER_STATE
         if not state_file.exists():
             raise ForgeError(f"incomplete: {TRAINER_STATE} is missing (the save was interrupted)")
-        skeleton = json.loads(state_file.read_text())
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        skeleton = restrict_to_rank(json.loads(state_file.read_text()), model_state, optimizer_state)
         reader = SafeReader(str(path))
         stored = reader.read_metadata().state_dict_metadata
-        model_state, optimizer_state = get_state_dict(model, optimizer)
         # The model's tensors are loaded in place; the optimizer's into its current state's
         # tensors, which carry their sharding (DCP reshards from however the checkpoint was
         # saved); anything else (plugin tensors) into new full tensors.
@@ -179,6 +187,19 @@ class CheckpointManager:
         missing = sorted(set(wanted) - set(stored))
         if missing:
             raise ForgeError(f"it does not fit this model: it has no {', '.join(missing[:3])}")
+        return wanted, skeleton, reader
+
+    def _load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        problem, prepared = None, None
+        try:
+            prepared = self._prepare(path, model, optimizer)
+        except UnsafeCheckpointError:
+            raise
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported after the ranks agree
+            problem = exc
+        if _any_rank(problem is not None):  # every rank passes over it, or none: no rank waits alone
+            raise problem or ForgeError("unusable on another rank")
+        wanted, skeleton, reader = prepared
         with _single_process_quietly():
             dcp.load(wanted, storage_reader=reader, planner=TensorsOnlyPlanner(), no_dist=not _distributed())
         full = join(skeleton, wanted)
@@ -234,6 +255,14 @@ def _rank() -> int:
 def _barrier(group: Any = None) -> None:
     if _distributed():
         dist.barrier(group=group)
+
+
+def _any_rank(flag: bool) -> bool:
+    if not _distributed():
+        return flag
+    value = torch.tensor([1 if flag else 0])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _from_main(value: Any, group: Any = None) -> Any:

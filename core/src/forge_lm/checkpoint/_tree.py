@@ -65,3 +65,51 @@ def tensor_keys(skeleton: Any) -> list[str]:
             return [skeleton["__tensor__"]]
         return [key for v in skeleton.values() for key in tensor_keys(v)]
     return []
+
+
+def merge_rank_skeletons(skeletons: list[Any]) -> Any:
+    """One skeleton from every rank's: under pipeline parallelism each rank's model and optimizer
+    hold other parameters, so the union describes the whole model. Keys present on several
+    ranks keep the first rank's value; parameter groups concatenate their ``params`` lists."""
+    merged = skeletons[0]
+    for other in skeletons[1:]:
+        merged = _merge(merged, other)
+    return merged
+
+
+def _merge(first: Any, second: Any) -> Any:
+    if isinstance(first, dict) and isinstance(second, dict):
+        out = dict(first)
+        for key, value in second.items():
+            out[key] = _merge(first[key], value) if key in first else value
+        return out
+    if _is_param_groups(first) and _is_param_groups(second) and len(first) == len(second):
+        return [
+            {**mine, "params": mine["params"] + [name for name in theirs["params"] if name not in mine["params"]]}
+            for mine, theirs in zip(first, second, strict=True)
+        ]
+    return first
+
+
+def _is_param_groups(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(group, dict) and "params" in group for group in value)
+
+
+def restrict_to_rank(skeleton: dict[str, Any], model_state: dict[str, Any], optimizer_state: Any) -> dict[str, Any]:
+    """The part of a whole-model skeleton that this rank's model and optimizer hold (all of it in
+    one process; one stage's parameters under pipeline parallelism)."""
+    restricted = {**skeleton, "model": {k: v for k, v in skeleton["model"].items() if k in model_state}}
+    saved = skeleton.get("optimizer")
+    if not (isinstance(saved, dict) and isinstance(optimizer_state, dict) and "param_groups" in optimizer_state):
+        return restricted
+    names = set(optimizer_state.get("state", {}))
+    names.update(name for group in optimizer_state["param_groups"] for name in group["params"])
+    restricted["optimizer"] = {
+        **saved,
+        "state": {k: v for k, v in saved.get("state", {}).items() if k in names},
+        "param_groups": [
+            {**group, "params": [name for name in group["params"] if name in names]}
+            for group in saved.get("param_groups", [])
+        ],
+    }
+    return restricted

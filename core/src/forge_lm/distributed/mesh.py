@@ -117,6 +117,11 @@ class ParallelDims:
                 problems.append(
                     f"pp = {self.pp} stages need at least {self.pp} layers; [model] n_layers = {model.n_layers}"
                 )
+            if model.tie_embeddings:
+                problems.append(
+                    "pipeline stages cannot share one embedding matrix between the first stage and the "
+                    "last; set [model] tie_embeddings = false for pipeline parallelism"
+                )
             if self.pp_schedule == "1f1b" and train.grad_accum_steps < self.pp:
                 problems.append(
                     f"the 1f1b schedule needs at least pp = {self.pp} microbatches; raise [train] "
