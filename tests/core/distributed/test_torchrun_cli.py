@@ -5,6 +5,8 @@ number of ranks, and a clear error when the ranks' plugins differ."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +118,35 @@ def test_pipeline_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
     assert "resumed from" in resumed.stderr
     expected, actual = _metrics(expected_dir), _metrics(run_dir)
     _assert_same_steps(actual, expected, [1, 2, 3, 4])
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_srun_style_launch_without_torchrun(tmp_path: Path, reference) -> None:
+    """examples/slurm/requeue.sbatch starts the ranks with srun alone: SLURM's variables and an
+    exported MASTER_ADDR/MASTER_PORT are all a rank has."""
+    run_dir = tmp_path / "run"
+    args = [*TINY, "--train.batch_size=2", "--train.max_steps=2", f"--train.output_dir={run_dir}"]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "FORGE_LM"))}
+    base.update(SLURM_NTASKS="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "forge_lm", "train", "--no-plugin-autoload", *args],
+            env={**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert "2 ranks: dp_replicate=1 dp_shard=2" in outputs[0][1]
+    _assert_same_steps(_metrics(run_dir), reference, [1, 2])
 
 
 RANK_ONE_BLOCKS_A_PLUGIN = """

@@ -17,6 +17,7 @@ default for units over the whole data-parallel mesh; set explicitly for the othe
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -39,8 +40,14 @@ def _apply(model: nn.Module, context: TransformContext) -> None:
     for module in model.modules():
         unit_dims = getattr(module, "fsdp_mesh_dims", None)
         if unit_dims:
-            fully_shard(module, mesh=context.submesh(*unit_dims), reshard_after_forward=reshard, **common)
+            unit_mesh = context.submesh(*unit_dims)
+            fully_shard(module, mesh=unit_mesh, reshard_after_forward=reshard, **common)
             module.set_gradient_divide_factor(float(dims.dp_size))
+            if dist.get_backend(unit_mesh.get_group(unit_mesh.ndim - 1)) == "gloo" and unit_mesh.size(-1) > 1:
+                # A divide factor other than the group size makes FSDP2 reduce with PREMUL_SUM,
+                # which gloo lacks: sum, then divide. (Not on a 1-rank group, where torch 2.13
+                # would divide twice.)
+                module.set_force_sum_reduction_for_comms(True)
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **common)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **common)

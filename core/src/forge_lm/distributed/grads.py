@@ -22,10 +22,7 @@ def global_grad_norm(
 ) -> torch.Tensor:
     """The 2-norm of every gradient of ``parameters`` (and of the other pipeline stages'), fp32."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for grad in grads:
-        key = grad.device_mesh if isinstance(grad, DTensor) else None
-        by_mesh.setdefault(key, []).append(grad)
+    by_mesh = _by_mesh(grads, grad=False)
     device = grads[0].device if grads else torch.device("cpu")
     squared = torch.zeros((), dtype=torch.float32, device=device)
     for mesh, group in by_mesh.items():
@@ -46,5 +43,16 @@ def clip_grad_norm(
     parameters = list(parameters)
     norm = global_grad_norm(parameters, pp_group)
     if max_norm and math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+        # One call per mesh: torch's foreach kernels refuse DTensors of different meshes in one list.
+        for group in _by_mesh(p for p in parameters if p.grad is not None).values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm.item()
+
+
+def _by_mesh(tensors: Iterable[torch.Tensor], grad: bool = True) -> dict[object, list[torch.Tensor]]:
+    """``tensors`` grouped by the device mesh of their gradient (or of themselves); None for plain tensors."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        value = tensor.grad if grad else tensor
+        groups.setdefault(value.device_mesh if isinstance(value, DTensor) else None, []).append(tensor)
+    return groups

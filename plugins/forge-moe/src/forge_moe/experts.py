@@ -122,10 +122,21 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype, dim: int, hidden: int
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device_type, enabled=False):
+        # The first call may come from inside a forward under activation checkpointing: identity
+        # saved-tensor hooks keep the probe's own autograd graph out of the checkpoint's count.
+        with (
+            torch.inference_mode(False),
+            torch.enable_grad(),
+            torch.autocast(device_type, enabled=False),
+            torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
+        ):
             return _probe_grouped_mm(torch.device(device_type), dtype, dim, hidden)
     except Exception:  # noqa: BLE001 - any failure means: use the padded kernel
         return False
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:

@@ -4,9 +4,11 @@ One MoE layer: the router picks ``top_k`` of ``n_experts`` SwiGLU experts per to
 combine weights; :func:`forge_moe.experts.dispatch` sorts the assignments by expert (dropping
 those beyond the capacity, in training); the experts run packed
 (:func:`forge_moe.experts.expert_swiglu`); each token's output is the weighted sum over its kept
-assignments, plus its shared experts. Shared experts: ``n_shared_experts = N`` is one SwiGLU of
-``N * expert hidden`` width, which is exactly the sum of ``N`` separate expert-sized SwiGLUs
-(their hidden units concatenated), so parameters, FLOPs and outputs are those of ``N`` experts.
+assignments, plus its shared experts. Under expert parallelism
+(:mod:`forge_moe.expert_parallel`) the sorted assignments travel to the ranks that own their
+experts and back. Shared experts: ``n_shared_experts = N`` is one SwiGLU of ``N * expert
+hidden`` width, which is exactly the sum of ``N`` separate expert-sized SwiGLUs (their hidden
+units concatenated), so parameters, FLOPs and outputs are those of ``N`` experts.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from forge_lm.errors import PluginError
 from forge_lm.losses.aux import report_aux_loss, report_metric
@@ -38,7 +42,18 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w2, mean=0.0, std=residual_std)
 
     def per_expert_parameters(self) -> int:
-        return self.w1[0].numel() + self.w3[0].numel() + self.w2[0].numel()
+        return sum(w.shape[1] * w.shape[2] for w in (self.w1, self.w3, self.w2))  # global shapes under EP
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, kernel: str, pad_to: int | None) -> torch.Tensor:
+        """:func:`forge_moe.experts.expert_swiglu` of the experts this module holds: all of them, or
+        this rank's slice under expert parallelism (its weights are then DTensors on the ``ep``
+        mesh). Called as a module so that FSDP2 gathers the weights around it."""
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        return expert_swiglu(x, counts, w1, w3, w2, kernel, pad_to=pad_to)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight  # a DTensor: this rank's experts
 
 
 class MoELayer(nn.Module):
@@ -70,6 +85,10 @@ class MoELayer(nn.Module):
         self.router = router
         self.experts = GroupedExperts(dim, expert_hidden, n_experts)
         self.shared = SwiGLU(dim, n_shared_experts * expert_hidden) if n_shared_experts else None
+        # Set by forge-moe's transforms in distributed runs (forge_moe.expert_parallel): this
+        # layer's expert-parallel group, and the data-parallel group its router's load is summed over.
+        self.expert_parallel: Any = None
+        self.load_group: Any = None
         self.init_weights(0.02, 0.02)
 
     def init_weights(self, std: float, residual_std: float) -> None:
@@ -105,8 +124,11 @@ class MoELayer(nn.Module):
         limit = self.capacity(tokens)
         plan = dispatch(routing.indices, self.n_experts, limit)
         flat = x.reshape(tokens, dim)
-        w = self.experts
-        y = expert_swiglu(flat[plan.slots // self.top_k], plan.counts, w.w1, w.w3, w.w2, self.kernel, pad_to=limit)
+        rows = flat[plan.slots // self.top_k]
+        if self.expert_parallel is None:
+            y = self.experts(rows, plan.counts, self.kernel, limit)
+        else:  # to the experts' owners and back
+            y = self.expert_parallel.run(self.experts, rows, plan.counts, self.kernel, limit)
         y = y * routing.weights.reshape(-1)[plan.slots].unsqueeze(-1).to(y.dtype)
         combined = y.new_zeros(tokens * self.top_k, dim)
         combined[plan.slots] = y  # dropped slots stay zero
@@ -129,6 +151,19 @@ class MoELayer(nn.Module):
         values = torch.stack([load.min(), load.max(), cv, dropped.float() / slots]).tolist()  # one sync
         for name, value in zip(("load_min", "load_max", "load_cv", "drop_fraction"), values, strict=True):
             report_metric(f"{prefix}/{name}", value)
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """The router's ``after_optimizer_step()``, if it has one. In data-parallel runs a router's
+        ``pending_load`` buffer (its assignment counts since the last step) is first summed over
+        the data-parallel ranks, so the update sees the global batch's load on every rank."""
+        hook = getattr(self.router, "after_optimizer_step", None)
+        if not callable(hook):
+            return
+        pending = getattr(self.router, "pending_load", None)
+        if self.load_group is not None and isinstance(pending, torch.Tensor):
+            dist.all_reduce(pending, group=self.load_group)
+        hook()
 
 
 # -- factory ------------------------------------------------------------------------------------
@@ -181,9 +216,7 @@ def build_moe(options: Any, dim: int, layer_index: int) -> nn.Module:
 
 
 def after_optimizer_step(model: nn.Module) -> None:
-    """Call ``after_optimizer_step()`` on the router of every MoE layer in ``model`` that has one."""
+    """:meth:`MoELayer.after_optimizer_step` of every MoE layer in ``model`` (its router's update)."""
     for module in model.modules():
         if isinstance(module, MoELayer):
-            hook = getattr(module.router, "after_optimizer_step", None)
-            if callable(hook):
-                hook()
+            module.after_optimizer_step()

@@ -3,7 +3,8 @@
 Kept free of heavy imports: Forge imports this module to list plugins and validate configs.
 It holds the options classes and the hook implementations; the torch code lives in
 :mod:`forge_moe.layer`, :mod:`forge_moe.experts`, :mod:`forge_moe.routers` and
-:mod:`forge_moe.hf`, imported only when a run builds a component or converts a model.
+:mod:`forge_moe.hf`, and the expert-parallel transform in :mod:`forge_moe.expert_parallel`,
+imported only when a run builds a component, applies its transforms or converts a model.
 """
 
 from __future__ import annotations
@@ -99,12 +100,45 @@ def forge_lm_register_routers(register):
 
 
 @hookimpl
+def forge_lm_register_model_transforms(register):
+    register(
+        "expert_parallel",
+        "forge_moe.expert_parallel:expert_parallel_transform",
+        description="experts split over the ep ranks, tokens exchanged by all-to-all ([distributed] ep > 1)",
+    )
+    register(
+        "moe_load_sync",
+        "forge_moe.expert_parallel:load_sync_transform",
+        description="routers' expert load summed over the data-parallel ranks before no-gradient updates",
+    )
+
+
+@hookimpl
 def forge_lm_configure(config):
     ffn = config.model.ffn
     if isinstance(ffn.options, MoEOptions) and ffn.options.first_moe_layer >= config.model.n_layers:
         raise ConfigError(
             f"[model.ffn] first_moe_layer: {ffn.options.first_moe_layer} leaves no MoE layer in a model of "
             f'{config.model.n_layers} layers; lower it, or use name = "swiglu" for a dense model.'
+        )
+    check_expert_parallel(config)
+
+
+def check_expert_parallel(config: Any) -> None:
+    """``[distributed] ep`` must split every MoE layer's experts evenly (checked again by the transform)."""
+    ep = config.distributed.ep
+    if ep == 1:
+        return
+    ffn = config.model.ffn
+    if not isinstance(ffn.options, MoEOptions):
+        raise ConfigError(
+            f"[distributed] ep = {ep} splits the experts of forge-moe's MoE layers, but [model.ffn] name = "
+            f"'{ffn.name}' has none; set ep = 1, or name = 'moe'."
+        )
+    if ffn.options.n_experts % ep:
+        raise ConfigError(
+            f"[model.ffn] n_experts = {ffn.options.n_experts} cannot be split evenly over [distributed] ep = {ep} "
+            "expert-parallel ranks; choose an ep that divides n_experts (each rank owns n_experts / ep experts)."
         )
 
 
