@@ -65,22 +65,15 @@ def dispatch(indices: torch.Tensor, n_experts: int, capacity_limit: int | None =
 # -- kernels ------------------------------------------------------------------------------------
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: ``torch._grouped_mm``'s
-    backward rejects expanded gradients (strides 0), such as that of a ``.sum()``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``x[rows of e] @ weight[e].T`` for every expert ``e``; ``weight`` is ``[E, out, in]``."""
-    return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
+    out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    if out.requires_grad:
+        # torch._grouped_mm's backward rejects expanded gradients (strides 0), such as that of a
+        # ``.sum()``: make the incoming gradient contiguous first. (A hook rather than an identity
+        # autograd function, whose output would be a view: FSDP2 warns about views it returns.)
+        out.register_hook(torch.Tensor.contiguous)
+    return out
 
 
 def _grouped_swiglu(x, counts, w1, w3, w2, pad_to):
