@@ -141,8 +141,12 @@ def forge_lm_register_routers(register: Any) -> None:
 def forge_lm_register_model_transforms(register: Any) -> None:
     """Register model transforms (parallelisms, activation checkpointing, compile, ...).
 
-    Factory: ``factory(options) -> transform``; the training path applies the enabled
-    transforms in a fixed order that each registration states.
+    Factory: ``factory(options) -> forge_lm.distributed.ModelTransform(slot, enabled, apply)``.
+    The training path applies every transform whose ``enabled(context)`` is true, in the
+    order of :data:`forge_lm.distributed.TRANSFORM_ORDER` (tensor_parallel, expert_parallel,
+    float8, activation_checkpointing, data_parallel, compile), by name within a slot;
+    ``apply(model, context)`` changes the model in place and keeps parameter names. See
+    docs/distributed.md.
     """
 
 

@@ -92,6 +92,14 @@ def test_two_ranks_train_like_one_process(tmp_path: Path, reference) -> None:
     ]  # each rank wrote its own shard
 
 
+def test_tensor_parallel_ranks_share_the_batch(tmp_path: Path, reference) -> None:
+    """tp ranks read the same data: with tp = 2 the per-rank batch is the global batch."""
+    run_dir = tmp_path / "run"
+    result = _ok(_two_ranks(run_dir, 2, "--distributed.tp=2", "--train.batch_size=4"))
+    assert "model transforms: tensor_parallel" in result.stderr
+    _assert_same_steps(_metrics(run_dir), reference, [1, 2])
+
+
 def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, reference) -> None:
     run_dir = tmp_path / "run"
     _ok(_two_ranks(run_dir, 2))
