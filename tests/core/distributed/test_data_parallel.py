@@ -18,15 +18,16 @@ WORKER = Path(__file__).parent / "workers" / "data_parallel_worker.py"
 
 
 @pytest.mark.parametrize(
-    "layout",
+    ("layout", "nproc"),
     [
-        pytest.param(["--distributed.dp_shard=2"], id="fsdp2"),
-        pytest.param(["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], id="replicated"),
+        pytest.param(["--distributed.dp_shard=2"], 2, id="fsdp2"),
+        pytest.param(["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2, id="replicated"),
+        pytest.param(["--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 4, id="hsdp-4-ranks"),
     ],
 )
-def test_step_matches_the_single_process_step(tmp_path: Path, layout: list[str]) -> None:
+def test_step_matches_the_single_process_step(tmp_path: Path, layout: list[str], nproc: int) -> None:
     out = tmp_path / "result.json"
-    result = torchrun([str(WORKER), str(out), *layout], nproc=2)
+    result = torchrun([str(WORKER), str(out), *layout], nproc=nproc)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     numbers = json.loads(out.read_text())
     assert numbers["sharded"]  # the parameters really are DTensors spread over the ranks
