@@ -46,6 +46,7 @@ BUILTIN_PLUGINS = {
     "core.metrics",
     "core.tokenizers",
     "core.feed_forwards",
+    "core.transforms",
 }
 
 

@@ -180,6 +180,7 @@ def test_the_dump_is_toml_with_one_table_per_section(load):
         "checkpoint",
         "resilience",
         "metrics",
+        "distributed",
     ]
     assert parsed["optimizer"]["betas"] == [0.9, 0.95]
 

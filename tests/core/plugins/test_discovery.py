@@ -91,6 +91,9 @@ def test_builtins_go_through_the_same_checks_and_registration_as_installed_plugi
         "schedulers": ["constant", "none", "cosine", "linear", "wsd", "rex"]
     }
     assert manager.plugin("core.metrics").components == {"metrics_backends": ["console", "jsonl", "tensorboard"]}
+    assert manager.plugin("core.transforms").components == {
+        "model_transforms": ["tensor_parallel", "activation_checkpointing", "fsdp2", "compile"]
+    }
     registered = [impl.plugin_name for impl in manager.hook.forge_lm_register_optimizers.get_hookimpls()]
     assert registered == ["core.optimizers"]
 
