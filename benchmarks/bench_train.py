@@ -52,13 +52,11 @@ from _record import alternate, median, save
 
 from forge_lm.config import load_config, to_data
 from forge_lm.data.loader import BatchLoader
-from forge_lm.metrics.mfu import cpu_peak_flops, mfu, peak_flops
+from forge_lm.metrics.mfu import cpu_peak_flops, mfu
 from forge_lm.model import build_model
-from forge_lm.model.flops import active_parameter_count, flops_per_token
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.train import loop
-from forge_lm.train.components import build, build_dataset, build_metrics_backends
-from forge_lm.train.device import autocast_dtype, resolve_device, seed_everything
+from forge_lm.train.components import build, build_dataset
 from forge_lm.train.resilience import agree
 
 # --------------------------------------------------------------------------------------
@@ -114,27 +112,19 @@ class ForgeSide:
         registry = manager.registry
         self.config = config = load_config(None, [*overrides, f"--train.output_dir={workdir}"], registry)
         manager.configure(config)
-        self.device = resolve_device(config.train.device)
-        self.dtype = autocast_dtype(config.train.precision, self.device)
-        seed_everything(config.train.seed)
-        tokenizer = build(registry, "tokenizers", config.tokenizer)
-        self.vocab_size = loop._vocab_size(config, tokenizer)
-        self.model = build_model(config.model, self.vocab_size, registry).to(self.device)
-        self.initial_model = copy.deepcopy(self.model)  # the plain loop's copy: same class, same weights
-        self.optimizer = build(registry, "optimizers", config.optimizer, self.model)
+        self.parts = parts = loop._build(config, manager)  # exactly what forge train builds
+        self.device, self.dtype = parts.device, parts.dtype
+        self.model, self.optimizer, self.scheduler = parts.model, parts.optimizer, parts.scheduler
         if optimizer_impl != "default":  # what an option of Forge's adamw could set
             for group in self.optimizer.param_groups:
                 group[optimizer_impl] = True
-        self.scheduler = build(registry, "schedulers", config.scheduler, self.optimizer, config.train.max_steps)
-        self.loss_fn = build(registry, "losses", config.loss)
-        self.loader = BatchLoader(
-            build_dataset(config, registry, tokenizer, self.vocab_size, "train"), config.train.batch_size
-        )
-        self.forward = torch.compile(self.model) if config.train.compile else self.model
-        self.tokens_per_step = config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps
-        self.step_flops = flops_per_token(config.model, active_parameter_count(self.model), config.train.seq_len)
-        self.peak = peak_flops(self.device, self.dtype, config.metrics.peak_flops)
-        self.backends = build_metrics_backends(config, registry, workdir)
+        self.vocab_size = loop._vocab_size(config, build(registry, "tokenizers", config.tokenizer))
+        # The plain loop's copy: same class, same weights, never compiled.
+        self.initial_model = build_model(config.model, self.vocab_size, registry).to(self.device)
+        self.initial_model.load_state_dict(self.model.state_dict())
+        self.loss_fn, self.loader, self.backends = parts.loss_fn, parts.train_batches, parts.backends
+        self.tokens_per_step = parts.tokens_per_step
+        self.step_flops, self.peak = parts.flops_per_token, parts.peak_flops
         self.context = loop.TrainContext(config, workdir, self.model, self.optimizer, self.scheduler)
         with quiet():
             for backend in self.backends:
@@ -160,9 +150,7 @@ class ForgeSide:
         with quiet():
             for _ in range(steps):
                 lr = optimizer.param_groups[0]["lr"]
-                loss, grad_norm, aux = loop._train_step(
-                    self.forward, self.batches, self.loss_fn, optimizer, config, self.device, self.dtype
-                )
+                loss, grad_norm, aux = loop._train_step(self.parts, self.batches, config)
                 if self.first is None:
                     self.first = (loss, grad_norm)
                 if agree(not (math.isfinite(loss) and math.isfinite(grad_norm))):
