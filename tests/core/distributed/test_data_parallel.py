@@ -31,7 +31,21 @@ def test_step_matches_the_single_process_step(tmp_path: Path, layout: list[str],
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     numbers = json.loads(out.read_text())
     assert numbers["sharded"]  # the parameters really are DTensors spread over the ranks
+    assert numbers["unsynced_micro_batch"]  # no gradient reduction before the step's last micro-batch
+    assert numbers["master_dtypes"] == ["torch.float32"]
+    assert (numbers["fsdp_param_dtype"], numbers["fsdp_reduce_dtype"]) == ("None", "None")
     assert numbers["clipped"]  # the comparison covers clipping with the global norm
     assert numbers["loss"] == pytest.approx(numbers["reference_loss"], abs=1e-5)
     assert numbers["grad_norm"] == pytest.approx(numbers["reference_grad_norm"], rel=1e-5)
     assert numbers["max_grad_error"] < 1e-6
+
+
+def test_bf16_gathers_bf16_reduces_fp32_keeps_fp32_masters(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    result = torchrun([str(WORKER), str(out), "--distributed.dp_shard=2", "--train.precision=bf16"], nproc=2)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    numbers = json.loads(out.read_text())
+    assert (numbers["fsdp_param_dtype"], numbers["fsdp_reduce_dtype"]) == ("torch.bfloat16", "torch.float32")
+    assert numbers["master_dtypes"] == ["torch.float32"]  # the sharded weights the optimizer updates
+    assert numbers["unsynced_micro_batch"]
+    assert numbers["loss"] == pytest.approx(numbers["reference_loss"], rel=2e-2)  # fp32 reference: loose
