@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -134,14 +136,12 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_srun_style_launch_without_torchrun(tmp_path: Path, reference) -> None:
-    """examples/slurm/requeue.sbatch starts the ranks with srun alone: SLURM's variables and an
-    exported MASTER_ADDR/MASTER_PORT are all a rank has."""
-    run_dir = tmp_path / "run"
-    args = [*TINY, "--train.batch_size=2", "--train.max_steps=2", f"--train.output_dir={run_dir}"]
+def _srun_style_ranks(args: list[str], nproc: int = 2) -> list[subprocess.Popen]:
+    """Start ``forge train`` ranks as ``srun`` does: each with SLURM's variables and an exported
+    MASTER_ADDR/MASTER_PORT, no torchrun."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "FORGE_LM"))}
-    base.update(SLURM_NTASKS="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
-    ranks = [
+    base.update(SLURM_NTASKS=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    return [
         subprocess.Popen(
             [sys.executable, "-m", "forge_lm", "train", "--no-plugin-autoload", *args],
             env={**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
@@ -149,12 +149,40 @@ def test_srun_style_launch_without_torchrun(tmp_path: Path, reference) -> None:
             stderr=subprocess.PIPE,
             text=True,
         )
-        for rank in range(2)
+        for rank in range(nproc)
     ]
+
+
+def test_srun_style_launch_without_torchrun(tmp_path: Path, reference) -> None:
+    """examples/slurm/requeue.sbatch starts the ranks with srun alone."""
+    run_dir = tmp_path / "run"
+    ranks = _srun_style_ranks([*TINY, "--train.batch_size=2", "--train.max_steps=2", f"--train.output_dir={run_dir}"])
     outputs = [rank.communicate(timeout=300) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     assert "2 ranks: dp_replicate=1 dp_shard=2" in outputs[0][1]
     _assert_same_steps(_metrics(run_dir), reference, [1, 2])
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_one_checkpoint(tmp_path: Path) -> None:
+    """SIGUSR1 reaching rank 1 alone: both ranks agree, save the same step and exit with 75;
+    the run then resumes in one process."""
+    run_dir = tmp_path / "run"
+    args = [*TINY, "--train.batch_size=2", "--train.max_steps=100000", "--eval.interval=0", "--checkpoint.interval=0"]
+    ranks = _srun_style_ranks([*args, f"--train.output_dir={run_dir}"])
+    deadline = time.monotonic() + 240
+    while not (run_dir / "metrics.jsonl").exists() or len(_metrics(run_dir)) < 3:
+        assert time.monotonic() < deadline, "the ranks did not train"
+        assert all(rank.poll() is None for rank in ranks), [rank.communicate() for rank in ranks]
+        time.sleep(0.2)
+    ranks[1].send_signal(signal.SIGUSR1)
+    outputs = [rank.communicate(timeout=240) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [75, 75], outputs
+    saved = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert len(saved) == 1  # one checkpoint, written by both ranks together
+    step = int(saved[0].name.removeprefix("step_"))
+    assert sorted(p.name for p in saved[0].glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    resumed = _ok(_one_process(run_dir, step + 1))
+    assert f"resumed from {saved[0]} (step {step})" in resumed.stderr
 
 
 RANK_ONE_BLOCKS_A_PLUGIN = """
