@@ -23,6 +23,7 @@ WORKER = Path(__file__).parent / "workers" / "data_parallel_worker.py"
         pytest.param(["--distributed.dp_shard=2"], 2, id="fsdp2"),
         pytest.param(["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2, id="replicated"),
         pytest.param(["--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 4, id="hsdp-4-ranks"),
+        pytest.param(["--distributed.dp_shard=2", "--optimizer.name=muon"], 2, id="fsdp2-muon"),
     ],
 )
 def test_step_matches_the_single_process_step(tmp_path: Path, layout: list[str], nproc: int) -> None:
@@ -38,6 +39,10 @@ def test_step_matches_the_single_process_step(tmp_path: Path, layout: list[str],
     assert numbers["loss"] == pytest.approx(numbers["reference_loss"], abs=1e-5)
     assert numbers["grad_norm"] == pytest.approx(numbers["reference_grad_norm"], rel=1e-5)
     assert numbers["max_grad_error"] < 1e-6
+    # The optimizer step on sharded parameters (Muon orthogonalises whole matrices) is the
+    # single-process step.
+    assert numbers["optimizer"] == ("Muon" if "--optimizer.name=muon" in layout else "AdamW")
+    assert numbers["max_update_error"] < 1e-2 * numbers["update_scale"]
 
 
 def test_bf16_gathers_bf16_reduces_fp32_keeps_fp32_masters(tmp_path: Path) -> None:

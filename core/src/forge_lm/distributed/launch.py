@@ -97,8 +97,13 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
+_OWNED_GROUP = False  # whether init_distributed created the default process group
+
+
 def init_distributed(launch: Launch, device: torch.device, timeout_s: float = 600.0) -> None:
-    """Join the launch's process group (once); a no-op for a single process."""
+    """Join the launch's process group (once); a no-op for a single process, or when the caller
+    has already initialised one (then :func:`shutdown_distributed` leaves it alone too)."""
+    global _OWNED_GROUP
     if not launch.distributed or dist.is_initialized():
         return
     if launch.launcher == "slurm":  # env:// reads these
@@ -112,11 +117,15 @@ def init_distributed(launch: Launch, device: torch.device, timeout_s: float = 60
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+    _OWNED_GROUP = True
 
 
 def shutdown_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
+    """Leave the process group :func:`init_distributed` created, if it did."""
+    global _OWNED_GROUP
+    if _OWNED_GROUP and dist.is_initialized():
         dist.destroy_process_group()
+    _OWNED_GROUP = False
 
 
 def is_main_process() -> bool:
