@@ -12,6 +12,7 @@ from torch import nn
 from forge_lm.config import ComponentConfig, ModelSection
 from forge_lm.errors import ForgeError, PluginError
 from forge_lm.model import build_model
+from forge_lm.model.attention import attention_mask
 from forge_lm.plugins import PluginStatus
 
 from .conftest import VOCAB, perturb_norms
@@ -117,6 +118,21 @@ def test_packed_documents_get_the_logits_each_document_gets_alone(make_model):
     assert torch.allclose(logits[0, 7:], model(second)[0], atol=1e-5, rtol=0)
     assert torch.allclose(logits[1], model(packed)[0], atol=1e-5, rtol=0)
     assert not torch.allclose(logits[0, 7:], logits[1, 7:], atol=1e-3)  # the mask did cut attention
+
+
+def test_rows_of_one_document_each_take_the_fused_causal_path(make_model):
+    """One document per row (any ids, row by row) is plain causal attention: no mask tensor, the
+    same logits as without document ids and as the reference."""
+    single = torch.tensor([[3] * 9, [8] * 9])
+    assert attention_mask(single, 0, 9, torch.device("cpu")) == (None, True)
+    mask, is_causal = attention_mask(torch.tensor([[3] * 9, [8] * 8 + [9]]), 0, 9, torch.device("cpu"))
+    assert mask.shape == (2, 1, 9, 9)  # one row packs two documents: the mask for the whole batch
+    assert not is_causal
+    model = make_model(n_kv_heads=2)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    logits = model(ids, single)
+    assert torch.equal(logits, model(ids))
+    assert torch.allclose(logits[1].double(), reference_logits(model, ids[1].tolist(), [8] * 9), atol=2e-5, rtol=0)
 
 
 def test_sequences_longer_than_max_seq_len_are_refused_with_the_fix(make_model):

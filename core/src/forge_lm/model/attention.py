@@ -92,11 +92,14 @@ def attention_mask(
     - ``document_ids`` ``[B, T]`` (packed sequences): a boolean ``[B, 1, T, T]`` mask where query
       ``i`` sees key ``j`` iff ``j <= i`` and both belong to the same document. Every query sees
       at least itself, so no row is empty. RoPE is relative, so documents need no position reset.
+      When every row holds one document the mask is plain causal attention, and is dropped so
+      that SDPA can use its fused causal kernels (documents much longer than a sequence, the
+      common case, make most batches like that).
     - A cached prefix (``start > 0``): one new token sees every key (no mask); several new tokens
       get a ``[T, start + T]`` mask where query ``i`` sees keys ``j <= start + i`` (SDPA's
       ``is_causal`` would align the triangle to the top-left corner instead).
     """
-    if document_ids is not None:
+    if document_ids is not None and not bool((document_ids == document_ids[:, :1]).all()):
         causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
         same_document = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
         return (same_document & causal)[:, None], False

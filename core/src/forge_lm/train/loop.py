@@ -148,7 +148,8 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         backends=build_metrics_backends(config, registry, Path(config.train.output_dir)) if is_main_process() else [],
         tokens_per_step=config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps * dp_size,
         flops_per_token=flops,
-        peak_flops=peak_flops(device, dtype, config.metrics.peak_flops) * dims.world_size,
+        # Measured (on CPU) by rank 0 alone: ranks timing matmuls at once would each see a fraction.
+        peak_flops=on_main_process(lambda: peak_flops(device, dtype, config.metrics.peak_flops)) * dims.world_size,
     )
 
 
