@@ -120,10 +120,18 @@ def init_distributed(launch: Launch, device: torch.device, timeout_s: float = 60
     _OWNED_GROUP = True
 
 
-def shutdown_distributed() -> None:
-    """Leave the process group :func:`init_distributed` created, if it did."""
+def shutdown_distributed(wait_for_all: bool = False) -> None:
+    """Leave the process group :func:`init_distributed` created, if it did.
+
+    ``wait_for_all``: first wait until every rank is here, so that no rank tears down its
+    connections while another still finishes a transfer to it (the last pipeline sends are
+    asynchronous). Only for stops every rank makes together: a rank failing alone would wait
+    for ranks that never come.
+    """
     global _OWNED_GROUP
     if _OWNED_GROUP and dist.is_initialized():
+        if wait_for_all:
+            dist.barrier()
         dist.destroy_process_group()
     _OWNED_GROUP = False
 

@@ -156,9 +156,15 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
 def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
     """Train the run ``config`` describes; under ``torchrun`` every rank calls this."""
     try:
-        return _train(config, manager)
-    finally:
-        shutdown_distributed()
+        result = _train(config, manager)
+    except (Preempted, NonFiniteLoss):  # every rank stops here together
+        shutdown_distributed(wait_for_all=True)
+        raise
+    except BaseException:
+        shutdown_distributed()  # this rank alone may be failing: waiting for the others could hang
+        raise
+    shutdown_distributed(wait_for_all=True)
+    return result
 
 
 def _train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
