@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from forge_lm.checkpoint._safe import SafeReader, TensorsOnlyPlanner, UnsafeCheckpointError
 from forge_lm.checkpoint._tree import join, merge_rank_skeletons, restrict_to_rank, split, tensor_keys
+from forge_lm.distributed.reduce import any_rank, barrier, distributed, from_rank0, rank
 from forge_lm.errors import ForgeError
 
 CHECKPOINTS = "checkpoints"
@@ -46,7 +47,7 @@ class CheckpointManager:
         self._pending: concurrent.futures.Future | None = None
         # A background save runs its collectives on a group of its own, so that they never
         # interleave with the training step's collectives on the default group.
-        self._group = dist.new_group(backend="gloo") if _distributed() and async_save else None
+        self._group = dist.new_group(backend="gloo") if distributed() and async_save else None
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -62,7 +63,7 @@ class CheckpointManager:
         skeleton["rng"] = rng_state()
         skeleton["step"] = step
         json.dumps(skeleton)  # fails now, before anything is written, if something is not plain data
-        if _distributed():  # pipeline stages hold different parameters: describe them all
+        if distributed():  # pipeline stages hold different parameters: describe them all
             skeletons: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(skeletons, skeleton)
             skeleton = merge_rank_skeletons(skeletons)
@@ -85,17 +86,17 @@ class CheckpointManager:
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], skeleton: dict[str, Any]) -> None:
         path = self.root / f"step_{step}"
-        main = _rank() == 0
+        main = rank() == 0
         # Rank 0 looks at the directory and decides for everyone: ranks must not branch apart
         # around the collective save.
-        if _from_main(self.latest() == path if main else None, self._group):
+        if from_rank0(self.latest() == path if main else None, self._group):
             return  # already the newest complete checkpoint (e.g. saved again right after resuming)
         try:
             if main and path.exists():
                 shutil.rmtree(path)  # an incomplete leftover of an interrupted save
-            _barrier(self._group)  # no rank writes its shard before the leftover is gone
+            barrier(self._group)  # no rank writes its shard before the leftover is gone
             with _single_process_quietly():
-                dcp.save(tensors, checkpoint_id=str(path), no_dist=not _distributed(), process_group=self._group)
+                dcp.save(tensors, checkpoint_id=str(path), no_dist=not distributed(), process_group=self._group)
             # dcp.save returns on rank 0 after every rank's shard and the metadata are written.
             if main:
                 _write_atomically(path / TRAINER_STATE, json.dumps(skeleton, indent=1) + "\n")
@@ -147,7 +148,7 @@ class CheckpointManager:
         In a distributed run every rank calls it; rank 0 names the candidates, and a checkpoint
         that fails on any rank is passed over on all of them."""
         passed_over = []
-        for path in _from_main(self.candidates()):
+        for path in from_rank0(self.candidates()):
             try:
                 state = self._load(path, model, optimizer)
             except UnsafeCheckpointError:
@@ -197,11 +198,11 @@ class CheckpointManager:
             raise
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported after the ranks agree
             problem = exc
-        if _any_rank(problem is not None):  # every rank passes over it, or none: no rank waits alone
+        if any_rank(problem is not None):  # every rank passes over it, or none: no rank waits alone
             raise problem or ForgeError("unusable on another rank")
         wanted, skeleton, reader = prepared
         with _single_process_quietly():
-            dcp.load(wanted, storage_reader=reader, planner=TensorsOnlyPlanner(), no_dist=not _distributed())
+            dcp.load(wanted, storage_reader=reader, planner=TensorsOnlyPlanner(), no_dist=not distributed())
         full = join(skeleton, wanted)
         set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"])
         restore_rng(full["rng"])
@@ -242,36 +243,6 @@ def _write_atomically(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(scratch, path)  # readers see the old file or the new one, never half of one
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _barrier(group: Any = None) -> None:
-    if _distributed():
-        dist.barrier(group=group)
-
-
-def _any_rank(flag: bool) -> bool:
-    if not _distributed():
-        return flag
-    value = torch.tensor([1 if flag else 0])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
-def _from_main(value: Any, group: Any = None) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    if not _distributed():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 @contextlib.contextmanager

@@ -157,8 +157,3 @@ def on_main_process(action: Callable[[], T]) -> T:
     if kind == "error":
         raise value
     return value
-
-
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

@@ -1,4 +1,6 @@
-"""Numbers every rank reports the same way: a rank-local value made global."""
+"""What ranks agree on: a rank-local value made global, a flag any rank may raise, rank 0's word.
+
+Every helper is a no-op in a single process, so callers need no special case for it."""
 
 from __future__ import annotations
 
@@ -8,6 +10,38 @@ import torch
 import torch.distributed as dist
 
 from forge_lm.distributed.mesh import ParallelDims
+
+
+def distributed() -> bool:
+    """Whether this process is one rank of an initialised process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if distributed() else 0
+
+
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """``flag`` on any rank makes it true on every rank."""
+    if not distributed():
+        return flag
+    value = torch.tensor([1 if flag else 0])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def from_rank0(value: Any, group: Any = None) -> Any:
+    """Rank 0's ``value`` on every rank (any picklable plain data)."""
+    if not distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def barrier(group: Any = None) -> None:
+    if distributed():
+        dist.barrier(group=group)
 
 
 def mean_over_data_parallel(value: float, mesh: Any, dims: ParallelDims) -> float:

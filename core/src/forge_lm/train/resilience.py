@@ -17,8 +17,7 @@ import sys
 import threading
 from types import FrameType
 
-import torch
-
+from forge_lm.distributed.reduce import any_rank
 from forge_lm.errors import ForgeError
 
 PREEMPTED_EXIT_CODE = 75
@@ -89,8 +88,4 @@ def _force_exit(name: str, timeout: float) -> None:
 
 def agree(flag: bool) -> bool:
     """``flag`` on any rank makes it true on every rank (no-op in a single process)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0])
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return bool(value.item())
+    return any_rank(flag)
