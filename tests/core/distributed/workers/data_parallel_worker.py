@@ -125,6 +125,7 @@ def main() -> int:
         with open(out, "w") as handle:
             json.dump(result, handle)
     print(f"rank {rank}: {result}", flush=True)
+    dist.barrier()  # no rank tears its groups down while another still uses them
     dist.destroy_process_group()
     return 0 if ok else 1
 

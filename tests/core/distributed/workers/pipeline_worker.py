@@ -225,7 +225,7 @@ def main() -> int:
         }
         with open(out_path, "w") as f:
             json.dump(summary, f, indent=1)
-    shutdown_distributed()
+    shutdown_distributed(wait_for_all=True)  # no rank tears down while another still finishes
     return 0 if ok else 1
 
 

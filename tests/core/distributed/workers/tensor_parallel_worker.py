@@ -203,6 +203,7 @@ def main() -> int:
             json.dump(report, f, indent=1)
     if failures:
         print(f"rank {dist.get_rank()}: mismatch: {failures}", file=sys.stderr)
+    dist.barrier()  # no rank tears its groups down while another still uses them
     dist.destroy_process_group()
     return 1 if report["any_rank_failed"] else 0
 
