@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from forge_lm.distributed.transforms import ModelTransform, TransformContext
+from forge_lm.distributed.transforms import ModelTransform, TransformContext, transformer_blocks
 
 _aten = torch.ops.aten
 # Operations whose outputs selective checkpointing keeps: recomputing them would cost as much
@@ -68,14 +68,6 @@ def _apply(model: nn.Module, context: TransformContext) -> None:
     mode = context.config.train.activation_checkpointing
     for block in transformer_blocks(model):
         block.forward = checkpointed(block.forward, mode)
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's blocks (``model.layers``, a list or, in a pipeline stage, a dict)."""
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        return []
-    return [block for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers) if block is not None]
 
 
 def activation_checkpointing_transform(options: object) -> ModelTransform:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from forge_lm.distributed.activation_checkpointing import transformer_blocks
-from forge_lm.distributed.transforms import ModelTransform, TransformContext
+from forge_lm.distributed.transforms import ModelTransform, TransformContext, transformer_blocks
 
 
 def _enabled(context: TransformContext) -> bool:

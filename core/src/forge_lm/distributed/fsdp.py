@@ -21,8 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from forge_lm.distributed.activation_checkpointing import transformer_blocks
-from forge_lm.distributed.transforms import ModelTransform, TransformContext
+from forge_lm.distributed.transforms import ModelTransform, TransformContext, transformer_blocks
 
 
 def _enabled(context: TransformContext) -> bool:

@@ -38,9 +38,6 @@ class ForgeMesh:
             return self.flattened[names]
         return self.root[names]
 
-    def has(self, name: str) -> bool:
-        return name in self.flattened or name in (self.root.mesh_dim_names or ())
-
 
 @attrs.frozen
 class ParallelDims:

@@ -68,8 +68,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from forge_lm.distributed.activation_checkpointing import transformer_blocks
-from forge_lm.distributed.transforms import ModelTransform, TransformContext
+from forge_lm.distributed.transforms import ModelTransform, TransformContext, transformer_blocks
 from forge_lm.errors import ConfigError, ForgeError
 
 # Blocks are called as block(x, cos, sin, mask, is_causal, kv_cache) and call their attention

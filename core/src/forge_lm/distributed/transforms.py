@@ -96,3 +96,11 @@ def apply_model_transforms(model: nn.Module, context: TransformContext, registry
             transform.apply(model, context)
             applied.append(name)
     return applied
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks (``model.layers``, a list or, in a pipeline stage, a dict)."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return []
+    return [block for block in (layers.values() if isinstance(layers, nn.ModuleDict) else layers) if block is not None]
