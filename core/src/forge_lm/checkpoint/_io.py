@@ -2,8 +2,15 @@
 
 A checkpoint is complete when its ``trainer_state.json`` exists: it is written (atomically)
 after every tensor file, and only then is ``checkpoints/latest`` switched to it (atomically),
-so a crash at any moment leaves ``latest`` naming a complete checkpoint. Loading tries the
-one ``latest`` names, then older ones, reporting why each unusable one was passed over.
+so a crash at any moment leaves ``latest`` naming a complete checkpoint.
+
+Loading trusts nothing it reads. It tries every ``step_<N>`` directory, newest first (so a
+``latest`` edited to name an old checkpoint cannot make a run overwrite newer ones), and
+passes over, with the reason, any that is a link or lies outside ``checkpoints/``, holds
+anything but plain files, has a trainer state that fails its checks (:mod:`._state`) or
+metadata that fails :func:`._safe.read_metadata`, or does not fit the model. A ``latest``
+that names something else than a step directory of this run is reported and ignored.
+Metadata that names code to run stops loading altogether (:class:`UnsafeCheckpointError`).
 """
 
 from __future__ import annotations
@@ -13,9 +20,11 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
+import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +34,25 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from forge_lm.checkpoint._safe import SafeReader, TensorsOnlyPlanner, UnsafeCheckpointError
+from forge_lm.checkpoint._safe import DamagedCheckpointError, SafeReader, TensorsOnlyPlanner, UnsafeCheckpointError
+from forge_lm.checkpoint._state import TRAINER_STATE, read_trainer_state
 from forge_lm.checkpoint._tree import join, merge_rank_skeletons, restrict_to_rank, split, tensor_keys
 from forge_lm.distributed.reduce import any_rank, barrier, distributed, from_rank0, rank
 from forge_lm.errors import ForgeError
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-TRAINER_STATE = "trainer_state.json"
+_STEP_DIR = re.compile(r"step_([0-9]{1,15})")  # ASCII digits only: str.isdigit() accepts other scripts'
+
+
+class CheckpointSaveError(ForgeError):
+    """A checkpoint could not be written; its partial directory is gone, the previous one intact."""
+
+
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint directory is named for, or None if the name is not ``step_<N>``."""
+    match = _STEP_DIR.fullmatch(path.name)
+    return int(match.group(1)) if match else None
 
 
 class CheckpointManager:
@@ -45,6 +65,7 @@ class CheckpointManager:
         self.keep_last_n = keep_last_n
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1) if async_save else None
         self._pending: concurrent.futures.Future | None = None
+        self._restored: Path | None = None  # the checkpoint the run was last restored from
         # A background save runs its collectives on a group of its own, so that they never
         # interleave with the training step's collectives on the default group.
         self._group = dist.new_group(backend="gloo") if distributed() and async_save else None
@@ -89,11 +110,11 @@ class CheckpointManager:
         main = rank() == 0
         # Rank 0 looks at the directory and decides for everyone: ranks must not branch apart
         # around the collective save.
-        if from_rank0(self.latest() == path if main else None, self._group):
-            return  # already the newest complete checkpoint (e.g. saved again right after resuming)
+        if path == self._restored:
+            return  # the checkpoint this run resumed from, at the same step: it holds this state already
         try:
-            if main and path.exists():
-                shutil.rmtree(path)  # an incomplete leftover of an interrupted save
+            if main:
+                _remove(path)  # an incomplete or damaged leftover (the loader passed it over)
             barrier(self._group)  # no rank writes its shard before the leftover is gone
             with _single_process_quietly():
                 dcp.save(tensors, checkpoint_id=str(path), no_dist=not distributed(), process_group=self._group)
@@ -101,14 +122,16 @@ class CheckpointManager:
             if main:
                 _write_atomically(path / TRAINER_STATE, json.dumps(skeleton, indent=1) + "\n")
                 _write_atomically(self.root / LATEST, path.name + "\n")
-        except OSError as exc:
-            shutil.rmtree(path, ignore_errors=True)
+        except (OSError, CheckpointException) as exc:  # DCP wraps a rank's OSError in its own exception
+            if main:
+                with contextlib.suppress(OSError):
+                    _remove(path)
             previous = self.latest()
-            raise ForgeError(
-                f"could not write checkpoint '{path}': {exc.strerror or exc}. The previous checkpoint "
+            raise CheckpointSaveError(
+                f"could not write checkpoint '{path}': {_describe(exc)}. The previous checkpoint "
                 f"({previous.name if previous else 'none yet'}) is intact; free disk space or fix the "
-                "permissions of the run directory, then run the same command again to resume."
-            ) from exc
+                "permissions of the run directory."
+            ) from None
         if main:
             self._prune()
 
@@ -118,62 +141,116 @@ class CheckpointManager:
         latest = self.latest()
         complete = [p for p in self.complete() if p != latest]
         for old in complete[: max(0, len(complete) - (self.keep_last_n - 1))]:
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)  # complete() lists plain directories only
 
     # -- finding --------------------------------------------------------------------------------
 
     def latest(self) -> Path | None:
+        """The checkpoint ``checkpoints/latest`` names, if it names a step directory of this run."""
+        return self._latest()[0]
+
+    def _latest(self) -> tuple[Path | None, str | None]:
+        """(what ``latest`` names, or None; why it was ignored, or None)."""
         pointer = self.root / LATEST
-        if not pointer.exists():
-            return None
-        return self.root / pointer.read_text().strip()
+        if not pointer.exists() and not pointer.is_symlink():
+            return None, None
+        if pointer.is_symlink() or not pointer.is_file() or pointer.stat().st_size > 64:
+            return None, f"{LATEST}: not a small plain file; ignored"
+        try:
+            name = pointer.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            return None, f"{LATEST}: unreadable; ignored"
+        if not _STEP_DIR.fullmatch(name):
+            return None, f"{LATEST}: names {name!r}, not a step_<N> directory of {self.root}; ignored"
+        return self.root / name, None
+
+    def _steps(self) -> list[Path]:
+        """Every entry named ``step_<N>``, newest first (whether usable or not)."""
+        if not self.root.is_dir():
+            return []
+        return sorted((p for p in self.root.iterdir() if step_of(p) is not None), key=lambda p: -step_of(p))
 
     def complete(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
-        steps = [p for p in self.root.glob("step_*") if (p / TRAINER_STATE).exists() and p.name[5:].isdigit()]
-        return sorted(steps, key=lambda p: int(p.name[5:]))
+        """Complete checkpoints (plain directories with a trainer state), oldest first."""
+        return [
+            p
+            for p in reversed(self._steps())
+            if p.is_dir() and not p.is_symlink() and (p / TRAINER_STATE).is_file()
+        ]
 
     def candidates(self) -> list[Path]:
-        """Where to resume from, best first: what ``latest`` names, then newer-to-older."""
-        steps = sorted((p for p in self.root.glob("step_*") if p.name[5:].isdigit()), key=lambda p: -int(p.name[5:]))
-        latest = self.latest()
-        return ([latest] if latest else []) + [p for p in steps if p != latest]
+        """Where to resume from, best first: every step directory, newest first. ``latest`` is
+        written for people and tools; loading does not depend on it (see the module docstring)."""
+        return self._steps()
 
     # -- loading --------------------------------------------------------------------------------
 
-    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    def load(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        restore: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any] | None:
         """Restore the newest usable checkpoint into ``model`` and ``optimizer``; return its
-        trainer state (with ``step``), or None when there is none. Unusable ones are reported.
+        trainer state (with ``step``, ``path`` and ``passed_over``: why newer ones were not
+        used), or None when there is none. ``restore(state)`` restores the rest of the run
+        (scheduler, data position, plugin states); if it raises a ForgeError, ValueError,
+        TypeError or KeyError, the checkpoint is passed over like a damaged one.
 
         In a distributed run every rank calls it; rank 0 names the candidates, and a checkpoint
         that fails on any rank is passed over on all of them."""
+        named, ignored = self._latest()
+        if ignored and rank() == 0:
+            print(f"forge: warning: {self.root / LATEST}: {ignored.removeprefix(LATEST + ': ')}", file=sys.stderr)
         passed_over = []
         for path in from_rank0(self.candidates()):
             try:
-                state = self._load(path, model, optimizer)
-            except UnsafeCheckpointError:
-                raise
+                state = self._load(path, model, optimizer, restore)
+            except UnsafeCheckpointError as exc:
+                raise UnsafeCheckpointError(
+                    f"refusing to load checkpoint '{path}': {exc}. Only load checkpoints you trust; remove this one "
+                    f"(or move it out of {self.root}) to resume from an older one."
+                ) from None
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - damage shows in many ways; an older one may be fine
                 passed_over.append(f"{path.name}: {_describe(exc)}")
                 continue
             state["passed_over"] = passed_over
+            self._restored = path
+            if named is not None and named != path and rank() == 0 and step_of(named) < step_of(path):
+                print(
+                    f"forge: warning: checkpoint {path.name} is newer than the one {CHECKPOINTS}/{LATEST} names "
+                    f"({named.name}); using {path.name} (a save finished but {LATEST} was not switched, or "
+                    f"{LATEST} was edited)",
+                    file=sys.stderr,
+                )
             return state
         if passed_over:
             raise ForgeError("no usable checkpoint in " + str(self.root) + ":\n  " + "\n  ".join(passed_over))
         return None
 
+    def _check_place(self, path: Path) -> int:
+        """The step of ``path``, if it is a plain directory of plain files inside ``checkpoints/``."""
+        step = step_of(path)
+        if step is None or path.is_symlink() or not path.is_dir():
+            raise DamagedCheckpointError("a link or not a directory; checkpoints are plain directories")
+        if path.resolve().parent != self.root.resolve():
+            raise DamagedCheckpointError(f"resolves outside {self.root}")
+        odd = [entry.name for entry in path.iterdir() if entry.is_symlink() or not entry.is_file()]
+        if odd:
+            raise DamagedCheckpointError(f"holds {odd[0]!r}, which is a link or not a plain file")
+        return step
+
     def _prepare(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any, Any]:
         """What to read from ``path`` into this rank's model and optimizer; raises if it cannot fit."""
-        state_file = path / TRAINER_STATE
-        if not state_file.exists():
-            raise ForgeError(f"incomplete: {TRAINER_STATE} is missing (the save was interrupted)")
+        saved = read_trainer_state(path, self._check_place(path))
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        skeleton = restrict_to_rank(json.loads(state_file.read_text()), model_state, optimizer_state)
+        skeleton = restrict_to_rank(saved, model_state, optimizer_state)
         reader = SafeReader(str(path))
         stored = reader.read_metadata().state_dict_metadata
         # The model's tensors are loaded in place; the optimizer's into its current state's
         # tensors, which carry their sharding (DCP reshards from however the checkpoint was
-        # saved); anything else (plugin tensors) into new full tensors.
+        # saved); anything else (plugin tensors) into new full tensors, whose sizes the
+        # metadata reader has checked against the bytes stored.
         wanted, _ = split({"model": model_state}, "state")
         current, _ = split({"optimizer": optimizer_state}, "state")
         for key in tensor_keys(skeleton):
@@ -188,9 +265,21 @@ class CheckpointManager:
         missing = sorted(set(wanted) - set(stored))
         if missing:
             raise ForgeError(f"it does not fit this model: it has no {', '.join(missing[:3])}")
+        for key, tensor in wanted.items():
+            if tuple(stored[key].size) != tuple(_global_shape(tensor)):
+                raise ForgeError(
+                    f"it does not fit this model: '{key}' is {tuple(stored[key].size)} there, "
+                    f"{tuple(_global_shape(tensor))} here"
+                )
         return wanted, skeleton, reader
 
-    def _load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def _load(
+        self,
+        path: Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        restore: Callable[[dict[str, Any]], None] | None,
+    ) -> dict[str, Any]:
         problem, prepared = None, None
         try:
             prepared = self._prepare(path, model, optimizer)
@@ -206,17 +295,45 @@ class CheckpointManager:
         full = join(skeleton, wanted)
         set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"])
         restore_rng(full["rng"])
-        return {"step": full["step"], **full["trainer"], "path": str(path)}
+        state = {"step": full["step"], **full["trainer"], "path": str(path)}
+        if restore is not None:
+            try:
+                restore(state)
+            except (ForgeError, ValueError, TypeError, KeyError) as exc:
+                problem = exc
+            if any_rank(problem is not None):
+                raise problem or ForgeError("its state did not restore on another rank")
+        return state
 
 
 def _describe(exc: BaseException) -> str:
-    """One line for a load failure; DCP wraps each rank's error with its whole traceback."""
+    """One line for a load or save failure; DCP wraps each rank's error with its whole traceback."""
     if isinstance(exc, CheckpointException) and exc.failures:
-        inner = next(iter(exc.failures.values()))[0]
+        inner = next(iter(exc.failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, OSError) and inner.strerror:
+            return inner.strerror
         return (
             f"{type(inner).__name__}: {inner}" if str(inner) else f"{type(inner).__name__} (damaged or truncated file)"
         )
-    return str(exc) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    if isinstance(exc, ForgeError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _global_shape(tensor: torch.Tensor) -> torch.Size:
+    """The whole tensor's shape, also for a DTensor shard (DCP reshards between layouts)."""
+    return tensor.shape
+
+
+def _remove(path: Path) -> None:
+    """Remove a step directory without following a link planted in its place."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def rng_state() -> dict[str, Any]:
@@ -282,6 +399,9 @@ def load_for_inference(path: str | Path, manager: Any) -> tuple[torch.nn.Module,
     checkpoints = CheckpointManager(run_dir)
     if single:
         checkpoints.candidates = lambda: [path]  # exactly this one
-    if checkpoints.load(model, optimizer) is None:
+    state = checkpoints.load(model, optimizer)
+    if state is None:
         raise ForgeError(f"run directory '{run_dir}' has no checkpoint yet; train it first.")
+    for skipped in state["passed_over"]:
+        print(f"forge: warning: passed over checkpoint {skipped}", file=sys.stderr)
     return model.eval(), config, tokenizer

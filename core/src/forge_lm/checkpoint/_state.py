@@ -1,0 +1,138 @@
+"""Checks of a checkpoint's ``trainer_state.json`` before anything in it is restored.
+
+The file may have been edited by anyone: every field is checked for its type and range, the
+step must be the one its directory is named after, and tensor references must be names. A
+state that fails is a damaged checkpoint (passed over), never a traceback. Parts whose shape
+only their owner knows (the scheduler's and the data loader's state) are compared with the
+live objects' own state by :func:`check_like`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forge_lm.checkpoint._safe import DamagedCheckpointError
+
+TRAINER_STATE = "trainer_state.json"
+MAX_STATE_BYTES = 256 * 1024 * 1024
+_MT_WORDS = len(random.getstate()[1])  # Mersenne Twister state: 624 words and a position
+
+
+def read_trainer_state(directory: Path, step: int) -> dict[str, Any]:
+    """The checked trainer state of the checkpoint ``directory`` named for ``step``."""
+    path = directory / TRAINER_STATE
+    if path.is_symlink():
+        raise DamagedCheckpointError(f"{TRAINER_STATE} is a link; checkpoints hold plain files only")
+    if not path.is_file():
+        raise DamagedCheckpointError(f"incomplete: {TRAINER_STATE} is missing (the save was interrupted)")
+    if path.stat().st_size > MAX_STATE_BYTES:
+        raise DamagedCheckpointError(f"{TRAINER_STATE} is larger than {MAX_STATE_BYTES // 2**20} MiB")
+    try:
+        state = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise DamagedCheckpointError(f"{TRAINER_STATE} is not valid JSON: {exc}") from None
+    check_trainer_state(state, step)
+    return state
+
+
+def check_trainer_state(state: Any, step: int) -> None:
+    _require(isinstance(state, dict), "is not a JSON object")
+    missing = {"step", "model", "optimizer", "trainer", "rng"} - set(state)
+    _require(not missing, f"lacks {', '.join(sorted(missing))}")
+    _require(_is_int(state["step"]) and state["step"] >= 0, "step is not a non-negative integer")
+    _require(state["step"] == step, f"claims step {state['step']} but its directory is step_{step}")
+    for part in ("model", "optimizer", "trainer", "rng"):
+        _require(isinstance(state[part], dict), f"{part} is not a JSON object")
+    _check_tensor_references(state["model"], "model")
+    _check_tensor_references(state["optimizer"], "optimizer")
+    _check_trainer(state["trainer"])
+    _check_rng(state["rng"])
+
+
+def _check_trainer(trainer: dict[str, Any]) -> None:
+    _require(_is_int(trainer.get("tokens_seen")) and trainer["tokens_seen"] >= 0, "tokens_seen is not a count")
+    if "tokens_per_step" in trainer:
+        _require(_is_int(trainer["tokens_per_step"]) and trainer["tokens_per_step"] > 0, "tokens_per_step is bad")
+    _require(isinstance(trainer.get("plugins", {}), dict), "plugins is not a JSON object")
+    for key in ("scheduler", "data", "config"):
+        _require(isinstance(trainer.get(key, {}), dict), f"{key} is not a JSON object")
+    _require(isinstance(trainer.get("manifest", []), list), "manifest is not a list")
+    _check_tensor_references(trainer, "trainer")
+
+
+def _check_rng(rng: dict[str, Any]) -> None:
+    python = rng.get("python")
+    _require(isinstance(python, list) and len(python) == 3, "rng.python is malformed")
+    version, words, gauss = python
+    _require(_is_int(version), "rng.python version is not an integer")
+    _require(
+        isinstance(words, list) and len(words) == _MT_WORDS and all(_is_int(w) and 0 <= w < 2**32 for w in words),
+        "rng.python state is malformed",
+    )
+    _require(gauss is None or (isinstance(gauss, float) and math.isfinite(gauss)), "rng.python gauss is malformed")
+    _require(_is_bytes(rng.get("torch"), len(torch.get_rng_state())), "rng.torch is malformed")
+    if "cuda" in rng:
+        _require(isinstance(rng["cuda"], list) and all(_is_bytes(s) for s in rng["cuda"]), "rng.cuda is malformed")
+
+
+def _check_tensor_references(tree: Any, where: str, depth: int = 0) -> None:
+    _require(depth < 64, f"{where} is nested too deeply")
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            _require(set(tree) == {"__tensor__"} and isinstance(tree["__tensor__"], str), f"{where} has a bad tensor")
+            return
+        for key, value in tree.items():
+            _check_tensor_references(value, where, depth + 1)
+    elif isinstance(tree, list):
+        for value in tree:
+            _check_tensor_references(value, where, depth + 1)
+
+
+def check_like(saved: Any, current: Any, what: str, depth: int = 0) -> None:
+    """``saved`` (from a checkpoint) has the shape of ``current`` (the live object's state): the
+    same keys, and values of the same kinds, so that loading it cannot plant a string where the
+    code expects a number. Lists may differ in length; their items are checked against the
+    first live item."""
+    _require(depth < 64, f"{what} is nested too deeply")
+    if isinstance(current, dict):
+        _require(isinstance(saved, dict), f"{what} is not a JSON object")
+        _require(set(saved) == set(current), f"{what} has keys {sorted(saved)[:6]}, expected {sorted(current)[:6]}")
+        for key, value in current.items():
+            check_like(saved[key], value, f"{what}.{key}", depth + 1)
+    elif isinstance(current, list | tuple):
+        _require(isinstance(saved, list | tuple), f"{what} is not a list")
+        if current:
+            for item in saved:
+                check_like(item, current[0], f"{what}[]", depth + 1)
+    elif isinstance(current, bool) or current is None:
+        _require(isinstance(saved, bool) or saved is None, f"{what} is not a boolean")
+    elif isinstance(current, int):
+        _require(_is_int(saved), f"{what} is not an integer")
+    elif isinstance(current, float):
+        number = isinstance(saved, float | int) and not isinstance(saved, bool)
+        _require(number and math.isfinite(saved), f"{what} is not a finite number")
+    elif isinstance(current, str):
+        _require(isinstance(saved, str), f"{what} is not a string")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_bytes(value: Any, length: int | None = None) -> bool:
+    return (
+        isinstance(value, list)
+        and (length is None or len(value) == length)
+        and all(_is_int(b) and 0 <= b < 256 for b in value)
+    )
+
+
+def _require(condition: bool, problem: str) -> None:
+    if not condition:
+        raise DamagedCheckpointError(f"{TRAINER_STATE}: {problem}")

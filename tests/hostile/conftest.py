@@ -1,0 +1,12 @@
+"""Fixtures of the hostile-input suite; the harness itself is ``_hostile.py``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))  # test modules import the harness as _hostile
+
+from _hostile import run_case, trained_run  # noqa: E402
+
+__all__ = ["run_case", "trained_run"]
