@@ -7,6 +7,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # test modules import the harness as _hostile
 
-from _hostile import run_case, trained_run  # noqa: E402
+from _hostile import run_case, trained_run
 
 __all__ = ["run_case", "trained_run"]

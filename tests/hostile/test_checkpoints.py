@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from pathlib import Path
 
 import _payloads as p
 import pytest
@@ -337,9 +336,7 @@ def test_case(case, run_case):
 def test_a_tampered_newest_checkpoint_never_makes_the_run_delete_an_intact_one(run_case):
     """step_4's state claims step 2: passed over; the run resumes from step_2 and saves step_4
     anew (replacing only the tampered one); step_2 is never deleted or rewritten."""
-    ws, _ = run_case(
-        Case("tampered", RESUME, 0, PASSED_OVER, setup=edit_state(_set("step", 2)), needs_run=True)
-    )
+    ws, _ = run_case(Case("tampered", RESUME, 0, PASSED_OVER, setup=edit_state(_set("step", 2)), needs_run=True))
     state = json.loads((ws.checkpoints / "step_4" / "trainer_state.json").read_text())
     assert state["step"] == 4
     assert sorted(p.name for p in ws.checkpoints.glob("step_*")) == ["step_2", "step_4", "step_6"]
@@ -347,6 +344,3 @@ def test_a_tampered_newest_checkpoint_never_makes_the_run_delete_an_intact_one(r
 
 def test_the_case_table_is_large_enough():
     assert len(CASES) >= 60
-
-
-

@@ -173,9 +173,7 @@ class CheckpointManager:
     def complete(self) -> list[Path]:
         """Complete checkpoints (plain directories with a trainer state), oldest first."""
         return [
-            p
-            for p in reversed(self._steps())
-            if p.is_dir() and not p.is_symlink() and (p / TRAINER_STATE).is_file()
+            p for p in reversed(self._steps()) if p.is_dir() and not p.is_symlink() and (p / TRAINER_STATE).is_file()
         ]
 
     def candidates(self) -> list[Path]:

@@ -180,7 +180,9 @@ class _Builder:
             ):
                 raise DamagedCheckpointError(f"a chunk of '{key}' lies outside its tensor {tuple(size)}")
             chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
-        return TensorStorageMetadata(properties=self.properties(fields.get("properties"), key), size=size, chunks=chunks)
+        return TensorStorageMetadata(
+            properties=self.properties(fields.get("properties"), key), size=size, chunks=chunks
+        )
 
     def properties(self, value: Any, key: str) -> TensorProperties:
         if self.label(value) != (_DCP, "TensorProperties") or value.args or value.kwargs:

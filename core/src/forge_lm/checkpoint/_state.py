@@ -87,7 +87,7 @@ def _check_tensor_references(tree: Any, where: str, depth: int = 0) -> None:
         if "__tensor__" in tree:
             _require(set(tree) == {"__tensor__"} and isinstance(tree["__tensor__"], str), f"{where} has a bad tensor")
             return
-        for key, value in tree.items():
+        for value in tree.values():
             _check_tensor_references(value, where, depth + 1)
     elif isinstance(tree, list):
         for value in tree:
