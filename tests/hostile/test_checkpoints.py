@@ -107,8 +107,21 @@ def test_the_metadata_reader_rebuilds_what_dcp_wrote(trained_run):
 RESUME = ("train", "{tiny}", "--train.max_steps=6", "--train.output_dir={run}")
 GENERATE = ("generate", "{run}", "--prompt", "ab", "--max-new-tokens", "2")
 EXPORT = ("export-hf", "{run}", "{root}/hf")
+DOCTOR = ("doctor", "--run-dir", "{run}", "--min-free-gib", "0", "--json")
 REFUSED = r"forge: error: refusing to load checkpoint '.*step_4': its metadata "
 PASSED_OVER = r"forge: warning: passed over checkpoint step_4: "
+
+
+def doctor_says(status: str, found: str):
+    """The doctor's checkpoints line has ``status`` and mentions ``found``."""
+
+    def check(ws: Workspace, outcome) -> None:
+        report = json.loads(outcome.stdout)
+        line = next(c for c in report["checks"] if c["check"] == "checkpoints")
+        assert line["status"] == status, line
+        assert found in line["detail"], line
+
+    return check
 
 
 def plant_metadata(payload):
@@ -238,6 +251,27 @@ CASES = [
         PASSED_OVER,
         setup=plant_metadata(DAMAGED["storage-path-up-and-out"]),
         needs_run=True,
+    ),
+    # forge doctor reads checkpoints the same way, loading no tensor
+    Case(
+        "doctor-unsafe-metadata",
+        DOCTOR,
+        1,
+        r"$",
+        setup=plant_metadata(UNSAFE["stack-global-dotted-under-dcp"]),
+        needs_run=True,
+        check=doctor_says(
+            "fail", "step_4: its metadata would import 'torch.distributed.checkpoint.metadata.os.system'"
+        ),
+    ),
+    Case(
+        "doctor-damaged-newest",
+        DOCTOR,
+        0,
+        r"$",
+        setup=plant_metadata(DAMAGED["storage-path-up-and-out"]),
+        needs_run=True,
+        check=doctor_says("warning", "a resumed run starts from step_2; passed over: step_4"),
     ),
     # trainer_state.json tampered: passed over like a damaged checkpoint, the older one used
     *(

@@ -38,7 +38,7 @@ def test_an_unknown_key_suggests_the_close_one_and_lists_the_valid_keys(error):
 
 def test_an_unknown_key_with_nothing_close_lists_the_valid_keys_only(error):
     assert error("[checkpoint]\ncolour = 1\n") == (
-        "[checkpoint] colour: unknown key. Valid keys: 'async_save', 'interval', 'keep_last_n'."
+        "[checkpoint] colour: unknown key. Valid keys: 'async_save', 'interval', 'keep_last_n', 'max_failed_saves'."
     )
 
 

@@ -7,11 +7,20 @@ Layout under the run directory::
                                            data position, RNG states, plugin states; written last
     checkpoints/latest                     names the newest complete checkpoint; switched atomically
 
-Nothing is pickled: loading reads tensors and JSON only, and refuses a checkpoint whose
-metadata or items would need arbitrary unpickling.
+Nothing is unpickled: loading reads tensors (through ``torch.load(weights_only=True)``) and
+JSON, reads DCP's pickled metadata with an unpickler that can reach no callable
+(:mod:`._safe`), checks every field of both, and refuses a checkpoint whose metadata names
+code to run.
 """
 
-from forge_lm.checkpoint._io import CheckpointManager, latest_checkpoint, load_for_inference
-from forge_lm.checkpoint._safe import UnsafeCheckpointError
+from forge_lm.checkpoint._io import CheckpointManager, CheckpointSaveError, latest_checkpoint, load_for_inference
+from forge_lm.checkpoint._safe import DamagedCheckpointError, UnsafeCheckpointError
 
-__all__ = ["CheckpointManager", "UnsafeCheckpointError", "latest_checkpoint", "load_for_inference"]
+__all__ = [
+    "CheckpointManager",
+    "CheckpointSaveError",
+    "DamagedCheckpointError",
+    "UnsafeCheckpointError",
+    "latest_checkpoint",
+    "load_for_inference",
+]

@@ -226,6 +226,23 @@ class CheckpointManager:
             raise ForgeError("no usable checkpoint in " + str(self.root) + ":\n  " + "\n  ".join(passed_over))
         return None
 
+    def survey(self) -> list[tuple[Path, str | None]]:
+        """Every step directory, newest first, with why it would be passed over (None when it
+        passes every check that needs no model: place, trainer state, metadata). Reads the
+        same way loading does; loads no tensor. A payload is reported, not raised."""
+        found: list[tuple[Path, str | None]] = []
+        for path in self.candidates():
+            try:
+                read_trainer_state(path, self._check_place(path))
+                SafeReader(str(path)).read_metadata()
+            except UnsafeCheckpointError as exc:
+                found.append((path, f"UNSAFE: {exc}"))
+            except (ForgeError, OSError) as exc:
+                found.append((path, _describe(exc)))
+            else:
+                found.append((path, None))
+        return found
+
     def _check_place(self, path: Path) -> int:
         """The step of ``path``, if it is a plain directory of plain files inside ``checkpoints/``."""
         step = step_of(path)

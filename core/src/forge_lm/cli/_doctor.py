@@ -85,6 +85,8 @@ def diagnose(
         checks.append(_check_device(config))
     directory = Path(run_dir if run_dir is not None else config.train.output_dir if config is not None else ".")
     checks.extend(_check_run_dir(directory, min_free_gib))
+    if torch is not None and (directory / "checkpoints").is_dir():
+        checks.append(_check_checkpoints(directory))
     checks.append(_check_cache_dir())
     return checks
 
@@ -437,6 +439,33 @@ def _check_run_dir(directory: Path, min_free_gib: float) -> list[Check]:
     else:
         checks.append(("disk", OK, f"{free:.1f} GiB free at {existing}"))
     return checks
+
+
+def _check_checkpoints(directory: Path) -> Check:
+    """The run's checkpoints, read as resuming reads them (no tensor loaded): which one a
+    resumed run would start from, and why any newer one would be passed over."""
+    from forge_lm.checkpoint import CheckpointManager
+
+    survey = CheckpointManager(directory).survey()
+    unsafe = [f"{path.name}: {problem[8:]}" for path, problem in survey if problem and problem.startswith("UNSAFE: ")]
+    if unsafe:
+        return "checkpoints", FAIL, f"{unsafe[0]}. Fix: remove that checkpoint; never load it"
+    usable = next((path for path, problem in survey if problem is None), None)
+    newer = [(path, problem) for path, problem in survey if usable and _step(path) > _step(usable)]
+    skipped = [f"{path.name} ({problem})" for path, problem in newer]
+    if usable is None:
+        if not survey:
+            return "checkpoints", OK, "none yet"
+        return "checkpoints", FAIL, f"none usable: {survey[0][0].name} ({survey[0][1]}). Fix: remove the damaged ones"
+    if skipped:
+        return "checkpoints", WARNING, f"a resumed run starts from {usable.name}; passed over: {'; '.join(skipped)}"
+    return "checkpoints", OK, f"a resumed run starts from {usable.name}"
+
+
+def _step(path: Path) -> int:
+    from forge_lm.checkpoint._io import step_of
+
+    return step_of(path) or 0
 
 
 def _check_cache_dir() -> Check:

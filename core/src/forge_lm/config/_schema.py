@@ -209,6 +209,15 @@ class CheckpointSection:
     async_save: bool = attrs.field(
         default=False, metadata=_doc("Write checkpoints in the background while training goes on.")
     )
+    max_failed_saves: int = attrs.field(
+        default=3,
+        validator=positive,
+        metadata=_doc(
+            "Stop (exit 5) after this many checkpoint saves in a row failed (disk full, no permission); before "
+            "that, a failed save is a warning and the next interval tries again. The final save and the save "
+            "after a preemption signal are never retried: their failure stops the run at once."
+        ),
+    )
 
 
 @attrs.frozen
