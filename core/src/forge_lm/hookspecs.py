@@ -23,7 +23,44 @@ state it, :mod:`forge_lm.components` spells out the objects involved, and
 :mod:`forge_lm.testing` checks that a component honours it.
 
 Lifecycle hooks receive keyword arguments; an implementation may accept any subset of
-them (pluggy passes only what it names).
+them (pluggy passes only what it names). The core calls each plugin's implementation on its
+own, in pluggy's order (so hook wrappers are not supported: a plugin implementing one is
+broken), and treats what a plugin does as untrusted.
+
+When a plugin fails
+-------------------
+
+Every message names the plugin, its distribution and version, and the hook:
+``plugin 'faults' (forge-faults 1.0) raised in forge_lm_step_end: ValueError: boom``.
+"Raises" means any exception, ``SystemExit`` included (a plugin does not decide that the
+process ends); ``KeyboardInterrupt`` is taken for the user's Ctrl-C (exit 130).
+
+- A training hook (:func:`forge_lm_train_start`, :func:`forge_lm_step_end`,
+  :func:`forge_lm_eval_end`, :func:`forge_lm_save_state`, :func:`forge_lm_load_state`) that
+  raises stops the run with exit code 4. First the step (or evaluation) that finished is
+  logged and, unless it is saved already, checkpointed; after a failure in ``save_state``
+  or ``load_state`` nothing is saved and the newest checkpoint is the one to resume from.
+  The message says where the run stopped, which checkpoint is intact, and to fix the plugin
+  or run without it (``--block-plugin NAME``) and run the same command to resume.
+- :func:`forge_lm_save_state` returning something a checkpoint cannot keep (anything but
+  tensors and plain data) is a failure of the plugin, as if it had raised.
+- :func:`forge_lm_step_end` and :func:`forge_lm_eval_end` must return None or a dict of
+  metric names (non-empty strings) to numbers (NaN and Inf allowed). Anything else, and keys
+  the core logs itself (``loss``, ``lr``, ``step``, ...), is left out with one warning per
+  plugin and hook; the run goes on.
+- :func:`forge_lm_train_end` that raises is a warning: after a completed run the exit code
+  stays 0, after a failed or interrupted one its own exit code and message stand. Nothing
+  raised while the run ends (``train_end``, a backend's ``finish``) replaces the error that
+  ended it.
+- A metrics backend that raises in ``start``, ``log`` or ``finish`` (an unwritable
+  ``metrics.jsonl``, a full disk, a tracker gone away) is turned off with one warning naming
+  it and the error; training and the other backends go on. One whose factory raises stops
+  the run before anything is written (exit 2).
+- :func:`forge_lm_configure` rejects a config with a :class:`forge_lm.errors.ConfigError`;
+  anything else it raises is reported as that plugin's bug (exit 2).
+- A plugin that fails to load is ``broken``, one whose plugin API range excludes this core
+  ``incompatible``: ``forge train`` warns about each at start (one line, with the reason)
+  and runs without it, unless the config names one of its components (exit 2).
 """
 
 from __future__ import annotations
@@ -226,5 +263,6 @@ def forge_lm_load_state(context: Any, state: dict[str, Any]) -> None:
 def forge_lm_train_end(context: Any, status: str) -> None:
     """The run ends; ``status`` is ``"completed"``, ``"interrupted"`` or ``"failed"``.
 
-    Runs before the metrics backends' ``finish()``.
+    Called whenever :func:`forge_lm_train_start` was (even if a plugin's ``train_start``
+    raised), before the metrics backends' ``finish()``. Raising here is only a warning.
     """

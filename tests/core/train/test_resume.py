@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 import torch
 
 from forge_lm import hookimpl
 from forge_lm.config import load_config
-from forge_lm.errors import ConfigError, ForgeError
+from forge_lm.errors import ConfigError
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.train import train
@@ -56,30 +57,65 @@ def test_resuming_with_a_different_plugin_set_warns_naming_the_difference(tiny_c
     assert f"forge: warning: resuming '{run_dir}': plugin 'extra' (forge-extra) is no longer loaded" in err
 
 
-def test_a_full_disk_at_save_time_stops_with_a_clear_error_and_keeps_the_last_checkpoint(
-    tiny_config, manager, monkeypatch
-):
+def _failing_saves(monkeypatch, failing_steps):
+    """DCP's save raises what it raises for a full disk (its own exception wrapping ENOSPC) at
+    the given steps, after writing part of the checkpoint."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     import forge_lm.checkpoint._io as io
 
     real_save = io.dcp.save
 
     def save(state, checkpoint_id, **kwargs):
-        if checkpoint_id.endswith("step_4"):
-            raise OSError(errno.ENOSPC, "No space left on device")
+        if int(checkpoint_id.rpartition("_")[2]) in failing_steps:
+            Path(checkpoint_id).mkdir(parents=True)
+            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+            raise CheckpointException("save", {0: OSError(errno.ENOSPC, "No space left on device")})
         return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
 
     monkeypatch.setattr(io.dcp, "save", save)
-    config = tiny_config("--checkpoint.interval=2", "--train.max_steps=6")
-    with pytest.raises(ForgeError) as caught:
-        train(config, manager)
-    run_dir = config.train.output_dir
-    assert str(caught.value) == (
-        f"could not write checkpoint '{run_dir}/checkpoints/step_4': No space left on device. The previous "
-        "checkpoint (step_2) is intact; free disk space or fix the permissions of the run directory, then run "
-        "the same command again to resume."
-    )
-    from pathlib import Path
 
-    checkpoints = Path(run_dir) / "checkpoints"
+
+def test_a_failed_save_is_a_warning_the_partial_directory_goes_and_the_next_interval_saves(
+    tiny_config, manager, monkeypatch, capsys
+):
+    _failing_saves(monkeypatch, {4})
+    config = tiny_config("--checkpoint.interval=2", "--train.max_steps=6")
+    result = train(config, manager)
+    assert result.status == "completed"
+    checkpoints = Path(config.train.output_dir) / "checkpoints"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_2", "step_6"]  # step_4's partial is gone
+    assert (checkpoints / "latest").read_text().strip() == "step_6"
+    warning = next(line for line in capsys.readouterr().err.splitlines() if "step_4" in line)
+    assert warning == (
+        f"forge: warning: could not write checkpoint '{checkpoints}/step_4': No space left on device. The previous "
+        "checkpoint (step_2) is intact; free disk space or fix the permissions of the run directory. Training goes "
+        "on and the next checkpoint interval tries again (1 of 3 failures in a row allowed)."
+    )
+
+
+def test_repeated_failed_saves_stop_the_run_and_keep_the_last_checkpoint(tiny_config, manager, monkeypatch):
+    from forge_lm.train.saving import CheckpointSaveFailed
+
+    _failing_saves(monkeypatch, {4, 6})
+    config = tiny_config("--checkpoint.interval=2", "--train.max_steps=10", "--checkpoint.max_failed_saves=2")
+    with pytest.raises(CheckpointSaveFailed) as caught:
+        train(config, manager)
+    assert str(caught.value).endswith(
+        "Stopping: 2 saves in a row failed (checkpoint.max_failed_saves = 2). Then run the same command to resume."
+    )
+    checkpoints = Path(config.train.output_dir) / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step_2"
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_2"]
+    records = [r["step"] for r in read_metrics(Path(config.train.output_dir) / "metrics.jsonl") if "loss" in r]
+    assert records == [1, 2, 3, 4, 5, 6]  # stopped right after the second failed save
+
+
+def test_a_failed_final_save_stops_at_once(tiny_config, manager, monkeypatch):
+    from forge_lm.train.saving import CheckpointSaveFailed
+
+    _failing_saves(monkeypatch, {6})
+    config = tiny_config("--checkpoint.interval=2", "--train.max_steps=6")
+    with pytest.raises(CheckpointSaveFailed, match="Stopping: this was the final save, which cannot be retried"):
+        train(config, manager)
+    assert (Path(config.train.output_dir) / "checkpoints" / "latest").read_text().strip() == "step_4"

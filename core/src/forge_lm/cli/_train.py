@@ -2,14 +2,21 @@
 
 With no CONFIG it trains the embedded default: a small model on the source text of Python's
 standard library, which every machine with Python has, so it needs no download.
+
+SIGTERM and SIGUSR1 are noted from the very start of the command: one during start-up stops
+it at the next safe point with exit 75 and nothing written (see forge_lm.train.resilience).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 HELP = "train a model (no CONFIG: the embedded default run)"
 TAKES_OVERRIDES = True
+_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+_PREEMPTED_EXIT_CODE = 75  # resilience.PREEMPTED_EXIT_CODE; importing it would import torch
 
 
 def add_arguments(parser) -> None:
@@ -20,6 +27,20 @@ def add_arguments(parser) -> None:
 
 
 def run(args, overrides, plugins) -> int:
+    noted: list[int] = []  # preemption signals before the training code (and torch) is imported
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in _PREEMPTION_SIGNALS:
+            sig = getattr(signal, name)
+            previous[sig] = signal.signal(sig, lambda signum, frame: noted.append(signum))
+    try:
+        return _run(args, overrides, plugins, noted)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(args, overrides, plugins, noted: list[int]) -> int:
     from forge_lm.cli._main import checked_config_file
     from forge_lm.config import load_config
 
@@ -27,18 +48,29 @@ def run(args, overrides, plugins) -> int:
     manager = plugins()
     config = load_config(path, overrides, manager.registry)
     manager.configure(config)  # every plugin checks the config before anything is built
+    if noted:  # the first safe point: nothing built, nothing written
+        return _stopped_at_startup(signal.Signals(noted[0]).name)
 
     from forge_lm.distributed import detect_launch
+    from forge_lm.plugins._calls import PLUGIN_HOOK_EXIT_CODE, PluginHookFailed
     from forge_lm.train import train
     from forge_lm.train.resilience import (
         NONFINITE_EXIT_CODE,
         PREEMPTED_EXIT_CODE,
         NonFiniteLoss,
         Preempted,
+        PreemptedAtStartup,
+        StartupSignals,
+        check_startup,
     )
+    from forge_lm.train.saving import SAVE_FAILED_EXIT_CODE, CheckpointSaveFailed
 
     try:
-        result = train(config, manager)
+        with StartupSignals(config.resilience.signal_timeout, noted):
+            check_startup()
+            result = train(config, manager)
+    except PreemptedAtStartup as stop:
+        return _stopped_at_startup(stop.signal_name)
     except Preempted as stop:
         print(
             f"forge: {stop.signal_name} received: saved a checkpoint at step {stop.step} and stopped; "
@@ -49,6 +81,21 @@ def run(args, overrides, plugins) -> int:
     except NonFiniteLoss as stop:
         print(f"forge: error: {stop}", file=sys.stderr)
         return NONFINITE_EXIT_CODE
+    except PluginHookFailed as stop:  # a plugin's training hook failed; the message says what is intact
+        print(f"forge: error: {stop}", file=sys.stderr)
+        return PLUGIN_HOOK_EXIT_CODE
+    except CheckpointSaveFailed as stop:  # checkpoints could not be written; the previous one is intact
+        print(f"forge: error: {stop}", file=sys.stderr)
+        return SAVE_FAILED_EXIT_CODE
     if detect_launch().rank == 0:  # under torchrun, one summary line for the whole run
         print(f"trained {result.steps} steps; final loss {result.final_loss:.4f}; run directory {result.run_dir}")
     return 0
+
+
+def _stopped_at_startup(signal_name: str) -> int:
+    print(
+        f"forge: {signal_name} received during start-up: stopped before the first step, with nothing to save; "
+        "run the same command to start again.",
+        file=sys.stderr,
+    )
+    return _PREEMPTED_EXIT_CODE

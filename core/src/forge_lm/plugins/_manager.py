@@ -26,12 +26,16 @@ from forge_lm import hookspecs
 from forge_lm.errors import ForgeError, PluginError, did_you_mean
 from forge_lm.hookspecs import PROJECT_NAME
 from forge_lm.plugins._api import API_ATTRIBUTE, api_incompatibility
+from forge_lm.plugins._calls import PluginHookFailed, call_each, checked_metrics, checkpoint_problem, describe, warn
 from forge_lm.plugins._categories import CATEGORIES, registration_hook, singular
 from forge_lm.plugins._model import Component, PluginInfo, PluginStatus, check_component_name
 from forge_lm.plugins._registry import Registry
 from forge_lm.plugins._settings import PluginSettings
 
 HOOK_PREFIX = PROJECT_NAME + "_"
+# Keys a plugin's step_end / eval_end metrics may not take: the record's step, and the metrics
+# the loop adds after the hook (besides the metrics the hook was given).
+RESERVED_METRICS = ("step", "tokens_per_sec", "mfu")
 CORE_DISTRIBUTION = "forge-lm"
 
 BUILTIN_PLUGINS: dict[str, str] = {
@@ -84,6 +88,7 @@ class PluginManager:
         self.plugins: list[PluginInfo] = []
         self.registry = Registry(self.plugins)
         self.warnings: list[str] = []
+        self._warned: set[tuple[str, str]] = set()  # (plugin, hook) pairs already warned about
         self._hooks = _HookManager(PROJECT_NAME)
         self._hooks.add_hookspecs(hookspecs)
         version = core_version()
@@ -98,7 +103,9 @@ class PluginManager:
 
     @property
     def hook(self) -> Any:
-        """pluggy's hook relay: ``pm.hook.forge_lm_step_end(context=..., ...)``."""
+        """pluggy's hook relay, for looking at implementations (``get_hookimpls()``). Call hooks
+        through :meth:`call`, :meth:`call_first`, :meth:`call_quietly` or
+        :meth:`collect_metrics`: they name the plugin when one fails."""
         return self._hooks.hook
 
     # -- loading ----------------------------------------------------------------------------
@@ -160,10 +167,22 @@ class PluginManager:
         except (pluggy.PluginValidationError, ValueError) as exc:
             raise _PluginFailure(f"invalid hook implementation: {' '.join(str(exc).split())}") from exc
         try:
-            unknown = [c.name for c in self._hooks.get_hookcallers(plugin) or [] if not c.has_spec()]
+            callers = self._hooks.get_hookcallers(plugin) or []
+            unknown = [c.name for c in callers if not c.has_spec()]
             if unknown:
                 raise _PluginFailure(
                     " ".join(f"implements unknown hook '{hook}'.{_closest_hook(hook)}" for hook in unknown)
+                )
+            wrappers = [
+                c.name
+                for c in callers
+                for impl in c.get_hookimpls()
+                if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper)
+            ]
+            if wrappers:
+                raise _PluginFailure(
+                    f"implements {', '.join(wrappers)} as a hook wrapper; Forge calls each implementation on its "
+                    "own (so that a failure names its plugin), and wrappers are not supported"
                 )
             declared = getattr(plugin, API_ATTRIBUTE, None)
             info.api_range = declared if isinstance(declared, str) else None
@@ -254,46 +273,115 @@ class PluginManager:
         blob = json.dumps(self.manifest(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
 
+    # -- calling hooks ----------------------------------------------------------------------
+    #
+    # Every lifecycle and interoperability hook is called through _call_each: one
+    # implementation at a time, in pluggy's order, so that a failure names its plugin. The
+    # policy for each failure is documented in forge_lm.hookspecs.
+
+    def _call_each(
+        self,
+        hook: str,
+        arguments: Callable[[str], dict[str, Any] | None],
+        *,
+        first: bool = False,
+        on_failure: Callable[[PluginHookFailed], None] | None = None,
+        passes: tuple[type[BaseException], ...] = (),
+    ) -> list[tuple[PluginInfo, Any]]:
+        in_order = reversed(getattr(self._hooks.hook, hook).get_hookimpls())  # pluggy's call order
+        return call_each(in_order, self.plugin, hook, arguments, first=first, on_failure=on_failure, passes=passes)
+
+    def call(self, hook: str, **kwargs: Any) -> list[tuple[PluginInfo, Any]]:
+        """Call ``hook`` (``"forge_lm_train_start"``, ...) on every loaded plugin; return each
+        ``(plugin, result)`` whose result is not None. An implementation that raises stops the
+        call with a :class:`PluginHookFailed` naming the plugin and the hook."""
+        return self._call_each(hook, lambda _: kwargs)
+
+    def call_first(self, hook: str, **kwargs: Any) -> Any:
+        """The first result that is not None of a ``firstresult`` hook (``forge_lm_hf_export``,
+        ``forge_lm_hf_import``), or None; raises :class:`PluginHookFailed` like :meth:`call`."""
+        results = self._call_each(hook, lambda _: kwargs, first=True)
+        return results[0][1] if results else None
+
+    def call_quietly(self, hook: str, **kwargs: Any) -> None:
+        """Call ``hook`` on every plugin; an implementation that raises is reported as a warning
+        and the others still run (``forge_lm_train_end``: the run's outcome is already decided)."""
+        self._call_each(
+            hook, lambda _: kwargs, on_failure=lambda failure: warn(f"{failure.headline}; the run's outcome stands")
+        )
+
+    def collect_metrics(self, hook: str, *, context: object, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Call ``forge_lm_step_end`` or ``forge_lm_eval_end``; the metrics the plugins returned,
+        merged in call order.
+
+        Each implementation gets its own copy of ``metrics``. What a plugin returns is
+        untrusted: anything but string keys mapping to numbers (NaN and Inf allowed), or a key
+        of the core's own metrics, is left out with one warning per plugin and hook.
+        """
+        reserved = {*metrics, *RESERVED_METRICS}
+        merged: dict[str, float] = {}
+        for plugin, returned in self._call_each(
+            hook, lambda _: {"context": context, "step": step, "metrics": dict(metrics)}
+        ):
+            try:
+                good, problems = checked_metrics(returned, reserved)
+            except Exception as exc:  # noqa: BLE001 - a returned object may fail in any way when read
+                good, problems = {}, [f"an unreadable {type(returned).__name__} ({describe(exc)})"]
+            merged.update(good)
+            if problems and (plugin.name, hook) not in self._warned:
+                self._warned.add((plugin.name, hook))
+                warn(
+                    f"{plugin.label} returned unusable metrics from {hook}: {'; '.join(problems)}. They are left "
+                    "out (this warning is not repeated); the run goes on."
+                )
+        return merged
+
     def configure(self, config: object) -> None:
         """Give every plugin the resolved config to check (the ``forge_lm_configure`` hook).
 
         A plugin rejects a config by raising :class:`ConfigError`; any other exception is a
         bug in that plugin and is reported as a :class:`PluginError` naming it.
         """
-        for impl in reversed(self.hook.forge_lm_configure.get_hookimpls()):  # pluggy's call order
-            try:
-                impl.function(**_kwargs(impl, config=config))
-            except ForgeError:
-                raise
-            except Exception as exc:  # a plugin bug must not surface as a bare traceback
-                plugin = self.plugin(impl.plugin_name)
-                raise PluginError(
-                    f"{plugin.label} failed while checking the config: {type(exc).__name__}: {exc}. "
-                    f"This is a bug in the plugin: report it to its authors, or run without it "
-                    f"(--block-plugin {plugin.name})."
-                ) from exc
+        try:
+            self._call_each("forge_lm_configure", lambda _: {"config": config}, passes=(ForgeError,))
+        except PluginHookFailed as failure:  # a plugin bug must not surface as a bare traceback
+            plugin = failure.plugin
+            raise PluginError(
+                f"{plugin.label} failed while checking the config: {describe(failure.__cause__)}. "
+                f"This is a bug in the plugin: report it to its authors, or run without it "
+                f"(--block-plugin {plugin.name})."
+            ) from failure.__cause__
 
     def save_states(self, context: object) -> dict[str, Any]:
-        """Each plugin's checkpoint state, keyed by plugin name (plugins returning None omitted)."""
+        """Each plugin's checkpoint state, keyed by plugin name (plugins returning None omitted).
+
+        A state that a checkpoint cannot keep (anything but tensors and plain data) is the
+        plugin's failure, like an exception: :class:`PluginHookFailed`.
+        """
+        hook = "forge_lm_save_state"
         states: dict[str, Any] = {}
-        for impl in self.hook.forge_lm_save_state.get_hookimpls():
-            state = impl.function(**_kwargs(impl, context=context))
-            if state is not None:
-                states[impl.plugin_name] = state
+        for plugin, state in self._call_each(hook, lambda _: {"context": context}):
+            try:
+                problem = checkpoint_problem(state, "state")
+            except Exception as exc:  # noqa: BLE001 - a returned object may fail in any way when read
+                problem = f"it cannot be read ({describe(exc)})"
+            if problem:
+                raise PluginHookFailed(plugin, hook, f"returned a state from {hook} that cannot be saved: {problem}")
+            states[plugin.name] = state
         return states
 
     def load_states(self, context: object, states: dict[str, Any]) -> list[str]:
         """Give each plugin back its saved state; return the names of states no plugin took."""
-        taken = set()
-        for impl in self.hook.forge_lm_load_state.get_hookimpls():
-            if impl.plugin_name in states:
-                impl.function(**_kwargs(impl, context=context, state=states[impl.plugin_name]))
-                taken.add(impl.plugin_name)
+        taken: set[str] = set()
+
+        def arguments(name: str) -> dict[str, Any] | None:
+            if name not in states:
+                return None
+            taken.add(name)
+            return {"context": context, "state": states[name]}
+
+        self._call_each("forge_lm_load_state", arguments)
         return sorted(set(states) - taken)
-
-
-def _kwargs(impl: Any, **available: Any) -> dict[str, Any]:
-    return {name: available[name] for name in impl.argnames}
 
 
 def _closest_hook(name: str) -> str:

@@ -7,12 +7,37 @@ from typing import Any
 
 from forge_lm.components import DataContext, MetricsContext
 from forge_lm.config import ComponentConfig, ForgeConfig
-from forge_lm.plugins import Registry
+from forge_lm.errors import ForgeError, PluginError
+from forge_lm.metrics.guard import GuardedBackend
+from forge_lm.plugins import Component, Registry
+from forge_lm.plugins._calls import describe
+from forge_lm.plugins._categories import singular
 
 
 def build(registry: Registry, category: str, chosen: ComponentConfig, *args: Any) -> Any:
     """The component ``chosen`` names in ``category``, built with its options and ``args``."""
-    return registry.resolve(category, chosen.name).build(chosen.options, *args)
+    return _build(registry.resolve(category, chosen.name), chosen, *args)
+
+
+def _build(component: Component, chosen: ComponentConfig, *args: Any) -> Any:
+    """A factory that fails with anything but a ForgeError (which says what to fix) is reported
+    as a PluginError naming the component and its plugin, not as a traceback."""
+    try:
+        return component.build(chosen.options, *args)
+    except ForgeError:
+        raise
+    except Exception as exc:
+        plugin = component.plugin
+        advice = (
+            "Check its options"
+            if plugin.builtin
+            else f"Check its options; if they are right, this is a bug in {plugin.distribution}: report it to its "
+            "authors"
+        )
+        raise PluginError(
+            f"{singular(component.category)} '{component.name}' from {plugin.label} could not be built: "
+            f"{describe(exc)}. {advice}."
+        ) from exc
 
 
 def build_dataset(
@@ -38,6 +63,15 @@ def build_dataset(
     return build(registry, "datasets", config.data, context)
 
 
-def build_metrics_backends(config: ForgeConfig, registry: Registry, run_dir: Any) -> list[Any]:
+def build_metrics_backends(config: ForgeConfig, registry: Registry, run_dir: Any) -> list[GuardedBackend]:
+    """Every backend of ``[metrics] backends``, each guarded: one that fails while the run goes
+    on is turned off with a warning (see :mod:`forge_lm.metrics.guard`). One that cannot be
+    built stops the run before it starts."""
     context = MetricsContext(run_dir=run_dir, run_name=Path(run_dir).name, total_steps=config.train.max_steps)
-    return [build(registry, "metrics_backends", chosen, context) for chosen in config.metrics.backends]
+    backends = []
+    for chosen in config.metrics.backends:
+        component = registry.resolve("metrics_backends", chosen.name)
+        plugin = component.plugin
+        label = f"metrics backend '{component.name}' ({plugin.distribution} {plugin.version})"
+        backends.append(GuardedBackend(_build(component, chosen, context), label))
+    return backends

@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,15 @@ from forge_lm.losses.aux import collect_aux
 from forge_lm.metrics.mfu import mfu, peak_flops
 from forge_lm.model import build_model
 from forge_lm.model.flops import active_parameter_count, flops_per_token
-from forge_lm.plugins import PluginManager
+from forge_lm.plugins import PluginManager, PluginStatus
+from forge_lm.plugins._calls import PluginHookFailed, describe
 from forge_lm.train.components import build, build_dataset, build_metrics_backends
 from forge_lm.train.device import autocast_dtype, resolve_device, seed_everything
 from forge_lm.train.evaluate import Evaluator
-from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree
-from forge_lm.train.run_dir import prepare_run_dir
+from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree, check_startup
+from forge_lm.train.run_dir import RunDirectory
+from forge_lm.train.run_state import restore_run, save_run
+from forge_lm.train.saving import SavePolicy
 
 
 @attrs.define
@@ -142,7 +146,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         optimizer=optimizer,
         scheduler=build(registry, "schedulers", config.scheduler, optimizer, config.train.max_steps),
         loss_fn=loss_fn,
-        train_batches=BatchLoader(train_data, config.train.batch_size),
+        train_batches=BatchLoader(train_data, config.train.batch_size, vocab_size, f"the '{config.data.name}' data"),
         evaluator=evaluator,
         # Metrics are the main process's job; the others report through it.
         backends=build_metrics_backends(config, registry, Path(config.train.output_dir)) if is_main_process() else [],
@@ -155,8 +159,10 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
 
 def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
     """Train the run ``config`` describes; under ``torchrun`` every rank calls this."""
+    run = RunDirectory(config.train.output_dir)  # locked by rank 0 while the run uses it: see run_dir
     try:
-        result = _train(config, manager)
+        with run:  # unlocked also on errors; a directory this start created is removed if no step was done
+            result = _train(config, manager, run)
     except (Preempted, NonFiniteLoss):  # every rank stops here together
         shutdown_distributed(wait_for_all=True)
         raise
@@ -167,25 +173,35 @@ def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
     return result
 
 
-def _train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
+def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> TrainResult:
     parts = _build(config, manager)
     model, optimizer, backends = parts.model, parts.optimizer, parts.backends
-    # Only now, with everything built, is the run directory written (or found, to resume):
-    # a failed start leaves nothing behind.
-    run_dir, resuming = on_main_process(lambda: prepare_run_dir(config, manager))
+    if is_main_process():
+        _warn_about_unused_plugins(manager)
+    check_startup()  # a preemption signal while building: stop before anything is written
+    # Only now, with everything built, is the run directory locked and written (or found, to
+    # resume): a failed start leaves nothing behind.
+    run_dir, resuming = on_main_process(lambda: run.open(config, manager))
     checkpoints = CheckpointManager(run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save)
     context = TrainContext(config, run_dir, model, optimizer, parts.scheduler, tokens_per_step=parts.tokens_per_step)
-    if resuming:  # before any backend starts: plugins get their state back first (a tracker's run id)
-        _restore(checkpoints, context, parts.train_batches, manager)
-    for backend in backends:
-        backend.start(to_data(config), manager.manifest())
-    manager.hook.forge_lm_train_start(context=context)
-
-    batches = _on_device(iter(parts.train_batches), parts.device)
+    saves = SavePolicy(config.checkpoint.max_failed_saves)  # what a failed checkpoint write does
     status, loss, bad_steps = "failed", float("nan"), 0
-    window_start, window_steps = time.perf_counter(), 0
+    started = False  # whether train_start was called (then train_end is)
     try:
+        if resuming:  # before any backend starts: plugins get their state back first (a tracker's run id)
+            restore_run(checkpoints, context, parts.train_batches, manager)
+        for backend in backends:  # guarded: a backend that fails is turned off with a warning
+            backend.start(to_data(config), manager.manifest())
+        started = True
+        manager.call("forge_lm_train_start", context=context)
+        batches = _on_device(iter(parts.train_batches), parts.device)
+        window_start, window_steps = time.perf_counter(), 0
         with PreemptionWatcher(config.resilience.signal_timeout) as preemption:
+            try:  # the last safe point of the start-up; from here on the watcher has the signals
+                check_startup()
+            except Preempted:
+                status = "interrupted"
+                raise
             while context.step < config.train.max_steps:
                 lr = optimizer.param_groups[0]["lr"]
                 loss, grad_norm, aux = _train_step(parts, batches, config)
@@ -197,19 +213,22 @@ def _train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
                 optimizer.step()
                 parts.scheduler.step()
                 context.step += 1
+                run.trained = True  # from the first step on, the run directory is kept whatever happens
                 context.tokens_seen += parts.tokens_per_step
                 step, window_steps = context.step, window_steps + 1
                 last = step == config.train.max_steps
 
                 metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **aux}
-                for extra in manager.hook.forge_lm_step_end(context=context, step=step, metrics=dict(metrics)):
+                try:
+                    extra = manager.collect_metrics("forge_lm_step_end", context=context, step=step, metrics=metrics)
                     metrics.update(extra)
-                if step % config.metrics.log_interval == 0 or last:
-                    tokens_per_sec = parts.tokens_per_step * window_steps / (time.perf_counter() - window_start)
-                    metrics["tokens_per_sec"] = tokens_per_sec
-                    metrics["mfu"] = mfu(parts.flops_per_token, tokens_per_sec, parts.peak_flops)
-                    _log(backends, step, metrics)
-                    window_start, window_steps = time.perf_counter(), 0
+                finally:  # the step happened: it is logged even when a plugin's step_end failed
+                    if step % config.metrics.log_interval == 0 or last:
+                        tokens_per_sec = parts.tokens_per_step * window_steps / (time.perf_counter() - window_start)
+                        metrics["tokens_per_sec"] = tokens_per_sec
+                        metrics["mfu"] = mfu(parts.flops_per_token, tokens_per_sec, parts.peak_flops)
+                        _log(backends, step, metrics)
+                        window_start, window_steps = time.perf_counter(), 0
 
                 if parts.evaluator and (step % config.eval.interval == 0 or last):
                     _evaluate(parts, context, manager)
@@ -217,23 +236,94 @@ def _train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
 
                 preempted = preemption.requested()
                 if _divides(config.checkpoint.interval, step) or last or preempted:
-                    _checkpoint(checkpoints, context, parts.train_batches, manager)
+                    save = partial(save_run, checkpoints, context, parts.train_batches, manager)
+                    saves.attempt(save, last_chance=last or preempted, why="preemption" if preempted else "final")
                     window_start = time.perf_counter()
                 if preempted:
-                    checkpoints.wait()
+                    saves.attempt(checkpoints.wait, last_chance=True, why="preemption")
                     status = "interrupted"
                     raise Preempted(preemption.signal_name, step)
-            checkpoints.wait()
+            saves.attempt(checkpoints.wait, last_chance=True, why="final")
         status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"
         raise
-    finally:
-        manager.hook.forge_lm_train_end(context=context, status=status)
-        for backend in backends:
-            backend.finish({"final_loss": loss, "steps": context.step})
-        checkpoints.close()
+    except PluginHookFailed as failure:  # a training hook failed: stop, with the last step saved
+        failure.outcome = _stop_for_plugin(failure, checkpoints, context, parts, manager)
+        raise
+    finally:  # never replaces the exception that ended the run
+        _end_run(manager, context, status, started, backends, checkpoints, {"final_loss": loss, "steps": context.step})
     return TrainResult(run_dir, context.step, loss, status)
+
+
+def _end_run(
+    manager: PluginManager,
+    context: TrainContext,
+    status: str,
+    started: bool,
+    backends: list[Any],
+    checkpoints: CheckpointManager,
+    summary: dict[str, float],
+) -> None:
+    """train_end, the backends' finish and the checkpoint writer's close. A failure in any of
+    them is a warning: the run's outcome (and its exception, if any) stands. Only Ctrl-C
+    during train_end after a completed run still interrupts."""
+    interrupted: KeyboardInterrupt | None = None
+    if started:
+        try:
+            manager.call_quietly("forge_lm_train_end", context=context, status=status)
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    for backend in backends:  # guarded: a failure is a warning
+        backend.finish(summary)
+    try:
+        checkpoints.close()
+    except Exception as exc:
+        if status == "completed":
+            raise
+        _warn(f"the checkpoint being written in the background did not finish: {describe(exc)}")
+    if interrupted is not None and status == "completed":
+        raise interrupted
+
+
+def _stop_for_plugin(
+    failure: PluginHookFailed,
+    checkpoints: CheckpointManager,
+    context: TrainContext,
+    parts: _Parts,
+    manager: PluginManager,
+) -> str:
+    """After a plugin's training hook failed: checkpoint the last completed step unless it is
+    saved already or the failure was in saving or loading plugin state (then the checkpoint
+    that exists is the one to trust); say where the run stopped and what is intact. Across
+    ranks no checkpoint is attempted: the other ranks are not in step with this one."""
+    step, note = context.step, ""
+    try:
+        saved = {int(path.name[5:]) for path in checkpoints.complete()}
+    except OSError:  # the run directory cannot be read: do not write into it either
+        saved = {step}
+    wanted = failure.hook not in ("forge_lm_save_state", "forge_lm_load_state")
+    if wanted and step > 0 and step not in saved and not parts.dims.distributed:
+        try:
+            save_run(checkpoints, context, parts.train_batches, manager)
+            checkpoints.wait()
+            return f"Training stopped at step {step} after saving a checkpoint of that step, which is intact"
+        except Exception as exc:  # noqa: BLE001 - the plugin's failure stays the error reported
+            cause = exc.headline if isinstance(exc, PluginHookFailed) else describe(exc)
+            note = f"; saving a checkpoint of that step failed too ({cause})"
+    try:
+        newest = checkpoints.latest()
+    except OSError:
+        newest = None
+    intact = f"the newest checkpoint ({newest.name}) is intact" if newest else "no checkpoint was written yet"
+    return f"Training stopped at step {step}{note}; {intact}"
+
+
+def _warn_about_unused_plugins(manager: PluginManager) -> None:
+    """One line per installed plugin this run goes without because it is broken or incompatible."""
+    for plugin in manager.plugins:
+        if plugin.status in (PluginStatus.BROKEN, PluginStatus.INCOMPATIBLE):
+            _warn(f"{plugin.label} is {plugin.status} and not used by this run: {plugin.reason}")
 
 
 def _divides(interval: int, step: int) -> bool:
@@ -244,9 +334,11 @@ def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> N
     with _evaluation_mode(parts.model, parts.optimizer):
         loss_of = parts.pipeline.eval_loss if parts.pipeline is not None else _loss_of(parts.model, parts.loss_fn)
         results = parts.evaluator.run(loss_of, lambda value: mean_over_data_parallel(value, parts.mesh, parts.dims))
-    for extra in manager.hook.forge_lm_eval_end(context=context, step=context.step, metrics=dict(results)):
+    try:
+        extra = manager.collect_metrics("forge_lm_eval_end", context=context, step=context.step, metrics=results)
         results.update(extra)
-    _log(parts.backends, context.step, results)
+    finally:  # the evaluation happened: it is logged even when a plugin's eval_end failed
+        _log(parts.backends, context.step, results)
 
 
 def _handle_bad_step(
@@ -275,39 +367,12 @@ def _handle_bad_step(
     if policy.nan_policy == "rollback":
         checkpoints.wait()
         data_position = train_batches.state_dict()  # go on past the bad batch, not back to it
-        if not _restore(checkpoints, context, train_batches, manager):
+        if not restore_run(checkpoints, context, train_batches, manager):
             raise NonFiniteLoss(f"{what}; resilience.nan_policy = 'rollback' but there is no checkpoint yet.")
         train_batches.load_state_dict(data_position)
         _warn(f"{what}; rolled back to step {context.step} and skipping the bad batch")
     else:
         _warn(f"{what}; skipped the step (no optimizer or scheduler update)")
-
-
-def _restore(
-    checkpoints: CheckpointManager, context: TrainContext, train_batches: BatchLoader, manager: PluginManager
-) -> bool:
-    """Load the newest usable checkpoint into the run; False when there is none."""
-    state = checkpoints.load(context.model, context.optimizer)
-    if state is None:
-        _warn(f"'{context.run_dir}' has no checkpoint yet; starting from step 0")
-        return False
-    for skipped in state["passed_over"]:
-        _warn(f"passed over checkpoint {skipped}")
-    if "scheduler" in state:  # absent in an imported model's step 0: schedule and data start fresh
-        context.scheduler.load_state_dict(state["scheduler"])
-        train_batches.load_state_dict(state["data"])
-    context.step, context.tokens_seen = state["step"], state["tokens_seen"]
-    saved_batch = state.get("tokens_per_step", context.tokens_per_step)
-    if saved_batch != context.tokens_per_step:  # e.g. resumed on another number of ranks
-        _warn(
-            f"the global batch changed from {saved_batch} to {context.tokens_per_step} tokens per step "
-            "(batch_size x grad_accum_steps x seq_len x data-parallel ranks); the run goes on with the new one"
-        )
-    unclaimed = manager.load_states(context, state["plugins"])
-    for name in unclaimed:
-        _warn(f"checkpoint state of plugin '{name}' was not restored: that plugin is not loaded")
-    print(f"resumed from {state['path']} (step {context.step})", file=sys.stderr, flush=True)
-    return True
 
 
 def _train_step(
@@ -390,21 +455,6 @@ def _on_device(batches: Iterator[dict[str, torch.Tensor]], device: torch.device)
 def _log(backends: list[Any], step: int, metrics: dict[str, float]) -> None:
     for backend in backends:
         backend.log(step, metrics)
-
-
-def _checkpoint(
-    checkpoints: CheckpointManager, context: TrainContext, train_batches: BatchLoader, manager: PluginManager
-) -> None:
-    state = {
-        "config": to_data(context.config),  # what produced it, even if the run directory is lost
-        "manifest": manager.manifest(),
-        "tokens_seen": context.tokens_seen,
-        "tokens_per_step": context.tokens_per_step,
-        "scheduler": context.scheduler.state_dict(),
-        "data": train_batches.state_dict(),
-        "plugins": manager.save_states(context),
-    }
-    checkpoints.save(context.step, context.model, context.optimizer, state)  # the training point: exact resume
 
 
 def _warn(message: str) -> None:

@@ -1,0 +1,177 @@
+"""Calling plugins' hooks one implementation at a time, so that a failure names its plugin.
+
+pluggy calls every implementation of a hook in one go, and an exception escaping one of them
+says nothing about which plugin it came from. Every lifecycle and interoperability hook
+call goes through :func:`call_each` instead: it calls the implementations one by one, in
+pluggy's own order, and turns an exception into a :class:`PluginHookFailed` naming the
+plugin (name, distribution, version) and the hook. Plugin return values are untrusted:
+:func:`checked_metrics` and :func:`checkpoint_problem` say what is wrong with them.
+
+The policy each failure gets (stop with exit 4, warn, ignore) is documented in
+:mod:`forge_lm.hookspecs`.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
+
+from forge_lm.errors import ForgeError
+from forge_lm.plugins._model import PluginInfo
+
+PLUGIN_HOOK_EXIT_CODE = 4
+"""Exit code of ``forge train`` when a plugin's training hook failed (see hookspecs)."""
+
+_MAX_DEPTH = 100  # nesting allowed in a plugin's checkpoint state (a cycle would be infinite)
+
+
+class PluginHookFailed(ForgeError):
+    """A plugin's hook implementation raised, or returned something that cannot be used.
+
+    ``str()`` is the whole message: the plugin and hook, what went wrong, then either
+    :attr:`outcome` (set by the training loop: where the run stopped and which checkpoint is
+    intact) with how to resume, or the generic advice for a plugin bug.
+    """
+
+    def __init__(self, plugin: PluginInfo, hook: str, problem: str) -> None:
+        super().__init__(f"{plugin.label} {problem}")
+        self.plugin = plugin
+        self.hook = hook
+        self.problem = problem  # "raised in forge_lm_step_end: ValueError: boom"
+        self.outcome: str | None = None
+
+    @property
+    def headline(self) -> str:
+        """``plugin 'x' (forge-x 1.0) raised in forge_lm_step_end: ValueError: boom``."""
+        return f"{self.plugin.label} {self.problem}"
+
+    def __str__(self) -> str:
+        block = f"--block-plugin {self.plugin.name}"
+        if self.outcome is None:
+            return (
+                f"{self.headline}. This is a bug in the plugin: report it to its authors, or run without it ({block})."
+            )
+        return (
+            f"{self.headline}. {self.outcome}. Fix the plugin or run without it ({block}), "
+            "then run the same command to resume."
+        )
+
+
+def describe(exc: BaseException) -> str:
+    """``ValueError: boom`` (or ``ValueError`` when it has no message), on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def call_each(
+    implementations: Iterable[Any],
+    plugin_of: Callable[[str], PluginInfo],
+    hook: str,
+    arguments: Callable[[str], Mapping[str, Any] | None],
+    *,
+    first: bool = False,
+    on_failure: Callable[[PluginHookFailed], None] | None = None,
+    passes: tuple[type[BaseException], ...] = (),
+) -> list[tuple[PluginInfo, Any]]:
+    """Call each implementation (in the order given) with the arguments it names.
+
+    ``arguments(plugin_name)`` gives the keyword arguments for that plugin's implementation,
+    or None to skip it. Returns ``(plugin, result)`` for every result that is not None, as
+    pluggy collects them; ``first`` stops at the first one (``firstresult`` hooks).
+
+    Anything an implementation raises, ``SystemExit`` included (a plugin does not decide
+    that the process ends), becomes a :class:`PluginHookFailed`: raised, or passed to
+    ``on_failure`` and the next implementation called. ``KeyboardInterrupt`` passes through
+    untouched: it is indistinguishable from the user's Ctrl-C; so do the exception types in
+    ``passes`` (``forge_lm_configure`` lets a plugin's ConfigError through).
+    """
+    results: list[tuple[PluginInfo, Any]] = []
+    for impl in implementations:
+        kwargs = arguments(impl.plugin_name)
+        if kwargs is None:
+            continue
+        try:
+            result = impl.function(**{name: kwargs[name] for name in impl.argnames})
+        except (KeyboardInterrupt, *passes):
+            raise
+        except BaseException as exc:  # any failure of a plugin, SystemExit included, is reported naming it
+            failure = PluginHookFailed(plugin_of(impl.plugin_name), hook, f"raised in {hook}: {describe(exc)}")
+            if on_failure is None:
+                raise failure from exc
+            on_failure(failure)
+            continue
+        if result is not None:
+            results.append((plugin_of(impl.plugin_name), result))
+            if first:
+                break
+    return results
+
+
+def checked_metrics(value: object, reserved: Collection[str]) -> tuple[dict[str, float], list[str]]:
+    """The usable part of what a ``step_end``/``eval_end`` implementation returned, and what
+    was wrong with the rest.
+
+    Usable: a dict of non-empty string keys to real numbers (int or float, NaN and Inf
+    included; not bool), each converted to float, whose key is not in ``reserved`` (the
+    core's own metrics, which a plugin may not overwrite).
+    """
+    if not isinstance(value, Mapping):
+        return {}, [f"a {type(value).__name__} instead of a dict of metric names to numbers"]
+    good: dict[str, float] = {}
+    problems: list[str] = []
+    for key, number in value.items():
+        if not isinstance(key, str) or not key:
+            problems.append(f"key {_short(key)} is not a non-empty string")
+        elif key in reserved:
+            problems.append(f"'{key}' would overwrite the core's own metric")
+        elif isinstance(number, bool) or not isinstance(number, numbers.Real):
+            hint = " (call .item() on it)" if hasattr(number, "item") else ""
+            problems.append(f"'{key}' is a {type(number).__name__}, not a number{hint}")
+        else:
+            try:
+                good[key] = float(number)
+            except Exception as exc:  # noqa: BLE001 - a number-like object whose float() fails is garbage
+                problems.append(f"'{key}' is not a float ({describe(exc)})")
+    return good, problems
+
+
+def checkpoint_problem(value: object, path: str, depth: int = 0) -> str | None:
+    """What in ``value`` a checkpoint cannot keep, or None: tensors and plain data (None,
+    bool, int, float, str, lists, tuples, dicts with str or int keys) only, as
+    :mod:`forge_lm.checkpoint` stores them without pickling."""
+    torch = sys.modules.get("torch")
+    if value is None or isinstance(value, bool | int | float | str):
+        return None
+    if torch is not None and isinstance(value, torch.Tensor):
+        return None
+    if depth >= _MAX_DEPTH:
+        return f"'{path}' is nested more than {_MAX_DEPTH} levels deep"
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            problem = checkpoint_problem(item, f"{path}[{index}]", depth + 1)
+            if problem:
+                return problem
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, bool) or not isinstance(key, str | int):
+                return f"'{path}' has the key {_short(key)}, not a string or an integer"
+            problem = checkpoint_problem(item, f"{path}[{key!r}]", depth + 1)
+            if problem:
+                return problem
+        return None
+    return f"'{path}' is a {type(value).__name__}; checkpoints keep tensors and plain data only"
+
+
+def _short(value: object) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - an object from a plugin may fail even to describe itself
+        text = f"<a {type(value).__name__}>"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def warn(message: str) -> None:
+    print(f"forge: warning: {message}", file=sys.stderr, flush=True)

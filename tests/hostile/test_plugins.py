@@ -1,0 +1,525 @@
+"""Hostile and broken plugins: hooks that raise, exit or return garbage, metrics backends that
+fail, plugins that do not load. Each case installs one plugin, ``hostile`` from the
+distribution ``forge-hostile`` 1.0, into a fake site on ``sys.path`` and runs ``forge train``
+in-process. The policy under test is documented in ``forge_lm.hookspecs``: a failing
+training hook stops with exit 4 after checkpointing the last completed step; train_end and
+metrics backends fail with a warning; garbage metrics are left out with a warning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from _hostile import TINY, Case, Outcome, Workspace, case_params
+
+from forge_lm.cli._main import main
+from forge_lm.metrics.jsonl import read_metrics
+
+PLUGIN = r"plugin 'hostile' \(forge-hostile 1\.0\)"
+TRAIN = ("train", "{tiny}", "--train.max_steps=4", "--train.output_dir={run}")
+WITH_BACKEND = (*TRAIN, '--metrics.backends=["jsonl", "hostile"]')
+HEADER = "from forge_lm import hookimpl\n"
+
+
+def site_of(ws: Workspace) -> Path:
+    return ws.root / "site"
+
+
+def install(ws: Workspace, body: str, *, api: str | None = '">=1,<2"') -> None:
+    """Install ``forge-hostile`` 1.0 (entry point ``hostile``) whose module holds ``body``."""
+    site = site_of(ws)
+    header = HEADER if api is None else f"{HEADER}FORGE_LM_PLUGIN_API = {api}\n"
+    (site / "forge_hostile.py").write_text(header + textwrap.dedent(body))
+    info = site / "forge_hostile-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: forge-hostile\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[forge_lm]\nhostile = forge_hostile\n")
+    importlib.invalidate_caches()
+
+
+def plugin(body: str, *, api: str | None = '">=1,<2"') -> Callable[[Workspace], None]:
+    return lambda ws: install(ws, body, api=api)
+
+
+def hook(name: str, args: str, action: str) -> Callable[[Workspace], None]:
+    """A plugin whose hook ``name`` does ``action`` (one statement)."""
+    return plugin(f"import sys, math\n\n@hookimpl\ndef {name}({args}):\n    {action}\n")
+
+
+def step_end_returns(value: str) -> Callable[[Workspace], None]:
+    return hook("forge_lm_step_end", "step", f"return {value}")
+
+
+def backend_failing_in(method: str) -> Callable[[Workspace], None]:
+    return plugin(
+        f"""
+        class Backend:
+            def start(self, config, manifest):
+                pass
+
+            def log(self, step, metrics):
+                pass
+
+            def finish(self, summary):
+                pass
+
+            def {method}(self, *args):
+                raise OSError(28, "No space left on device")
+
+
+        @hookimpl
+        def forge_lm_register_metrics_backends(register):
+            register("hostile", lambda options, context: Backend(), description="A backend that fails")
+        """
+    )
+
+
+def trained_with_state_then_failing_load(ws: Workspace) -> None:
+    """A run of 4 steps whose checkpoints hold the plugin's state; the case's run (with
+    HOSTILE_FAIL set) resumes it with the same command, and load_state raises."""
+    install(
+        ws,
+        """
+        import os
+
+        @hookimpl
+        def forge_lm_save_state(context):
+            return {"step": context.step}
+
+        @hookimpl
+        def forge_lm_load_state(state):
+            if os.environ.get("HOSTILE_FAIL"):
+                raise ValueError("state from another version")
+        """,
+    )
+    assert main(["train", *TINY, "--train.max_steps=4", f"--train.output_dir={ws.run}"]) == 0
+    ws.env["HOSTILE_FAIL"] = "1"
+
+
+def blocked_metrics_file(ws: Workspace) -> None:
+    (ws.run / "metrics.jsonl").mkdir(parents=True)
+
+
+# -- checks run after a case --------------------------------------------------------------------
+
+
+def latest(ws: Workspace) -> str | None:
+    pointer = ws.checkpoints / "latest"
+    return pointer.read_text().strip() if pointer.exists() else None
+
+
+def records(ws: Workspace) -> list[dict]:
+    return read_metrics(ws.run / "metrics.jsonl")
+
+
+def stopped_at(step: int, logged: list[int]) -> Callable[[Workspace, Outcome], None]:
+    """The run stopped with a checkpoint of ``step`` and these training steps in metrics.jsonl."""
+
+    def check(ws: Workspace, outcome: Outcome) -> None:
+        assert latest(ws) == f"step_{step}"
+        assert [r["step"] for r in records(ws) if "loss" in r] == logged
+
+    return check
+
+
+def completed(ws: Workspace, outcome: Outcome) -> None:
+    assert latest(ws) == "step_4"
+    assert [r["step"] for r in records(ws) if "loss" in r] == [1, 2, 3, 4]
+
+
+def completed_without_metrics(ws: Workspace, outcome: Outcome) -> None:
+    assert latest(ws) == "step_4"
+    assert (ws.run / "metrics.jsonl").is_dir()
+
+
+def nothing_written(ws: Workspace, outcome: Outcome) -> None:
+    assert not ws.run.exists()
+
+
+def nothing_saved(ws: Workspace, outcome: Outcome) -> None:
+    assert latest(ws) is None
+
+
+def one_warning(ws: Workspace, outcome: Outcome) -> None:
+    completed(ws, outcome)
+    assert sum(line.startswith("forge: warning:") for line in outcome.stderr.splitlines()) == 1
+
+
+def nan_metric_logged(ws: Workspace, outcome: Outcome) -> None:
+    completed(ws, outcome)
+    assert all(math.isnan(r["hostile/x"]) for r in records(ws) if "loss" in r)
+
+
+STOPPED = "Fix the plugin or run without it \\(--block-plugin hostile\\), then run the same command to resume\\.$"
+
+CASES = [
+    # -- a training hook raises: exit 4, the last completed step saved ---------------------------------
+    Case(
+        "train-start-raises",
+        TRAIN,
+        4,
+        rf"forge: error: {PLUGIN} raised in forge_lm_train_start: ValueError: boom\. Training stopped at step 0; "
+        rf"no checkpoint was written yet\. {STOPPED}",
+        setup=hook("forge_lm_train_start", "", "raise ValueError('boom')"),
+        check=nothing_saved,
+    ),
+    Case(
+        "step-end-raises",
+        TRAIN,
+        4,
+        rf"forge: error: {PLUGIN} raised in forge_lm_step_end: ValueError: boom\. Training stopped at step 3 after "
+        rf"saving a checkpoint of that step, which is intact\. {STOPPED}",
+        setup=hook("forge_lm_step_end", "step", "if step == 3: raise ValueError('boom')"),
+        check=stopped_at(3, [1, 2, 3]),
+    ),
+    Case(
+        "eval-end-raises",
+        (*TRAIN, "--eval.interval=3", "--eval.steps=1"),
+        4,
+        rf"forge: error: {PLUGIN} raised in forge_lm_eval_end: KeyError: 'eval/acc'\. Training stopped at step 3 "
+        rf"after saving a checkpoint of that step, which is intact\. {STOPPED}",
+        setup=hook("forge_lm_eval_end", "metrics", "return {'x': metrics['eval/acc']}"),
+        check=stopped_at(3, [1, 2, 3]),
+    ),
+    Case(
+        "save-state-raises",
+        TRAIN,
+        4,
+        rf"forge: error: {PLUGIN} raised in forge_lm_save_state: OSError: read-only\. Training stopped at step 4; "
+        rf"the newest checkpoint \(step_2\) is intact\. {STOPPED}",
+        setup=hook("forge_lm_save_state", "context", "if context.step == 4: raise OSError('read-only')"),
+        check=stopped_at(2, [1, 2, 3, 4]),
+    ),
+    Case(
+        "save-state-returns-an-object",
+        TRAIN,
+        4,
+        rf"forge: error: {PLUGIN} returned a state from forge_lm_save_state that cannot be saved: 'state\['lock'\]' "
+        rf"is a lock; checkpoints keep tensors and plain data only\. Training stopped at step 2; no checkpoint was "
+        rf"written yet\. {STOPPED}",
+        setup=hook("forge_lm_save_state", "", "import threading; return {'lock': threading.Lock()}"),
+        check=nothing_saved,
+    ),
+    Case(
+        "load-state-raises-on-resume",
+        TRAIN,
+        4,
+        rf"forge: error: {PLUGIN} raised in forge_lm_load_state: ValueError: state from another version\. Training "
+        rf"stopped at step 4; the newest checkpoint \(step_4\) is intact\. {STOPPED}",
+        setup=trained_with_state_then_failing_load,
+    ),
+    # -- train_end: a warning; the run's outcome stands --------------------------------------------------
+    Case(
+        "train-end-raises-after-completion",
+        TRAIN,
+        0,
+        rf"forge: warning: {PLUGIN} raised in forge_lm_train_end: ValueError: boom; the run's outcome stands$",
+        setup=hook("forge_lm_train_end", "", "raise ValueError('boom')"),
+        check=completed,
+    ),
+    Case(
+        "train-end-exits-after-completion",
+        TRAIN,
+        0,
+        rf"forge: warning: {PLUGIN} raised in forge_lm_train_end: SystemExit: 3; the run's outcome stands$",
+        setup=hook("forge_lm_train_end", "", "sys.exit(3)"),
+        check=completed,
+    ),
+    Case(
+        "train-end-raises-after-a-failed-step",
+        TRAIN,
+        4,
+        rf"forge: warning: {PLUGIN} raised in forge_lm_train_end: RuntimeError: cleanup; the run's outcome stands$",
+        setup=plugin(
+            """
+            @hookimpl
+            def forge_lm_step_end(step):
+                if step == 1:
+                    raise ValueError("boom")
+
+            @hookimpl
+            def forge_lm_train_end():
+                raise RuntimeError("cleanup")
+            """
+        ),
+        check=lambda ws, outcome: (
+            stopped_at(1, [1])(ws, outcome),
+            assert_second_forge_line(outcome, rf"forge: error: {PLUGIN} raised in forge_lm_step_end: ValueError"),
+        ),
+    ),
+    # -- a hook ends the process its own way ---------------------------------------------------------
+    Case(
+        "step-end-calls-sys-exit",
+        TRAIN,
+        4,
+        rf"forge: error: {PLUGIN} raised in forge_lm_step_end: SystemExit: 0\. Training stopped at step 2 after "
+        rf"saving a checkpoint of that step, which is intact\.",
+        setup=hook("forge_lm_step_end", "step", "if step == 2: sys.exit(0)"),
+        check=stopped_at(2, [1, 2]),
+    ),
+    Case(
+        "step-end-raises-a-base-exception",
+        TRAIN,
+        4,
+        rf"forge: error: {PLUGIN} raised in forge_lm_step_end: Odd: not an Exception\. Training stopped at step 3 "
+        rf"after saving",
+        setup=plugin(
+            """
+            class Odd(BaseException):
+                pass
+
+            @hookimpl
+            def forge_lm_step_end(step):
+                if step == 3:
+                    raise Odd("not an Exception")
+            """
+        ),
+        check=stopped_at(3, [1, 2, 3]),
+    ),
+    Case(
+        "step-end-raises-keyboard-interrupt",
+        TRAIN,
+        130,
+        r"forge: interrupted$",
+        setup=hook("forge_lm_step_end", "step", "if step == 3: raise KeyboardInterrupt"),
+        check=stopped_at(2, [1, 2, 3]),  # Ctrl-C saves nothing; the step it hit is logged
+    ),
+    # -- garbage returned from step_end: left out with one warning, the run goes on ----------------------
+    Case(
+        "step-end-returns-a-string",
+        TRAIN,
+        0,
+        rf"forge: warning: {PLUGIN} returned unusable metrics from forge_lm_step_end: a str instead of a dict of "
+        r"metric names to numbers\. They are left out \(this warning is not repeated\); the run goes on\.$",
+        setup=step_end_returns("'loss went down'"),
+        check=one_warning,
+    ),
+    Case(
+        "step-end-returns-a-list",
+        TRAIN,
+        0,
+        rf"forge: warning: {PLUGIN} returned unusable metrics from forge_lm_step_end: a list instead of a dict",
+        setup=step_end_returns("[1.0, 2.0]"),
+        check=one_warning,
+    ),
+    Case(
+        "step-end-returns-non-string-keys",
+        TRAIN,
+        0,
+        rf"forge: warning: {PLUGIN} returned unusable metrics from forge_lm_step_end: key 1 is not a non-empty "
+        r"string; key \(2, 3\) is not a non-empty string\.",
+        setup=step_end_returns("{1: 1.0, (2, 3): 2.0, 'hostile/ok': 3.0}"),
+        check=lambda ws, outcome: (
+            one_warning(ws, outcome),
+            assert_each_step_has(ws, "hostile/ok", 3.0),
+        ),
+    ),
+    Case(
+        "step-end-returns-non-number-values",
+        TRAIN,
+        0,
+        rf"forge: warning: {PLUGIN} returned unusable metrics from forge_lm_step_end: 'a' is a str, not a number; "
+        r"'b' is a NoneType, not a number; 'c' is a bool, not a number; 'd' is a dict, not a number\.",
+        setup=step_end_returns("{'a': '1.0', 'b': None, 'c': True, 'd': {}}"),
+        check=one_warning,
+    ),
+    Case(
+        "step-end-overwrites-the-loss",
+        TRAIN,
+        0,
+        rf"forge: warning: {PLUGIN} returned unusable metrics from forge_lm_step_end: 'loss' would overwrite the "
+        r"core's own metric\.",
+        setup=step_end_returns("{'loss': 0.0}"),
+        check=lambda ws, outcome: (one_warning(ws, outcome), assert_losses_positive(ws)),
+    ),
+    Case(
+        "step-end-returns-nan-instead-of-a-dict",
+        TRAIN,
+        0,
+        rf"forge: warning: {PLUGIN} returned unusable metrics from forge_lm_step_end: a float instead of a dict",
+        setup=step_end_returns("float('nan')"),
+        check=one_warning,
+    ),
+    Case(
+        "step-end-returns-a-nan-metric",
+        TRAIN,
+        0,
+        r"$",  # NaN is a number: logged as it is, no warning
+        setup=step_end_returns("{'hostile/x': math.nan}"),
+        check=nan_metric_logged,
+    ),
+    # -- metrics backends that fail: turned off with one warning, training goes on -------------------------
+    Case(
+        "backend-raises-in-start",
+        WITH_BACKEND,
+        0,
+        r"forge: warning: metrics backend 'hostile' \(forge-hostile 1\.0\) failed in start: OSError: \[Errno 28\] "
+        r"No space left on device; it is off for the rest of this run; training and the other metrics backends go "
+        r"on$",
+        setup=backend_failing_in("start"),
+        check=one_warning,
+    ),
+    Case(
+        "backend-raises-in-log",
+        WITH_BACKEND,
+        0,
+        r"forge: warning: metrics backend 'hostile' \(forge-hostile 1\.0\) failed in log \(step 1\): OSError: ",
+        setup=backend_failing_in("log"),
+        check=one_warning,
+    ),
+    Case(
+        "backend-raises-in-finish",
+        WITH_BACKEND,
+        0,
+        r"forge: warning: metrics backend 'hostile' \(forge-hostile 1\.0\) failed in finish: OSError: \[Errno 28\] "
+        r"No space left on device; what it logged before may be incomplete$",
+        setup=backend_failing_in("finish"),
+        check=one_warning,
+    ),
+    Case(
+        "backend-factory-raises",
+        WITH_BACKEND,
+        2,
+        rf"forge: error: metrics backend 'hostile' from {PLUGIN} could not be built: ConnectionError: tracker "
+        r"unreachable\. Check its options; if they are right, this is a bug in forge-hostile: report it to its "
+        r"authors\.$",
+        setup=plugin(
+            """
+            def build(options, context):
+                raise ConnectionError("tracker unreachable")
+
+            @hookimpl
+            def forge_lm_register_metrics_backends(register):
+                register("hostile", build, description="A backend that cannot be built")
+            """
+        ),
+        check=nothing_written,
+    ),
+    Case(
+        "metrics-jsonl-is-a-directory",
+        TRAIN,
+        0,
+        r"forge: warning: metrics backend 'jsonl' \(forge-lm [^)]+\) failed in start: IsADirectoryError: \[Errno 21\] "
+        r"Is a directory: .*; it is off for the rest of this run",
+        setup=blocked_metrics_file,
+        check=completed_without_metrics,
+    ),
+    # -- plugins that do not load, or register something broken -------------------------------------------
+    Case(
+        "import-fails-run-does-not-need-it",
+        TRAIN,
+        0,
+        rf"forge: warning: {PLUGIN} is broken and not used by this run: import failed: RuntimeError: no GPU here$",
+        setup=plugin("raise RuntimeError('no GPU here')"),
+        check=completed,
+    ),
+    Case(
+        "import-fails-run-needs-it",
+        (*TRAIN, "--loss.name=hostile_loss"),
+        2,
+        r"forge: error: \[loss\] name = 'hostile_loss': unknown loss 'hostile_loss'\.$",
+        setup=plugin("raise RuntimeError('no GPU here')"),
+        check=lambda ws, outcome: (
+            nothing_written(ws, outcome),
+            assert_in("plugin 'hostile' (forge-hostile 1.0) is installed but broken: import failed", outcome.stderr),
+        ),
+    ),
+    Case(
+        "registers-an-invalid-component",
+        TRAIN,
+        0,
+        rf"forge: warning: {PLUGIN} is broken and not used by this run: component name 'Bad Name' is invalid: ",
+        setup=hook("forge_lm_register_losses", "register", "register('Bad Name', 'x:y', description='bad')"),
+        check=completed,
+    ),
+    Case(
+        "component-factory-module-missing",
+        (*TRAIN, "--loss.name=hostile_loss"),
+        2,
+        rf"forge: error: loss 'hostile_loss' from {PLUGIN} cannot be built: importing 'forge_hostile_missing:build' "
+        r"failed with ModuleNotFoundError",
+        setup=hook(
+            "forge_lm_register_losses",
+            "register",
+            "register('hostile_loss', 'forge_hostile_missing:build', description='x')",
+        ),
+        check=nothing_written,
+    ),
+    Case(
+        "component-factory-raises",
+        (*TRAIN, "--loss.name=hostile_loss"),
+        2,
+        rf"forge: error: loss 'hostile_loss' from {PLUGIN} could not be built: ZeroDivisionError: division by zero\.",
+        setup=hook(
+            "forge_lm_register_losses", "register", "register('hostile_loss', lambda options: 1 / 0, description='x')"
+        ),
+        check=nothing_written,
+    ),
+    Case(
+        "incompatible-plugin",
+        TRAIN,
+        0,
+        rf"forge: warning: {PLUGIN} is incompatible and not used by this run: supports plugin API >=2,<3 but this "
+        r"core provides 1\.0",
+        setup=plugin("@hookimpl\ndef forge_lm_step_end():\n    raise ValueError('must never run')\n", api='">=2,<3"'),
+        check=completed,
+    ),
+    Case(
+        "configure-crashes",
+        TRAIN,
+        2,
+        rf"forge: error: {PLUGIN} failed while checking the config: AttributeError: .*--block-plugin hostile\)\.$",
+        setup=hook("forge_lm_configure", "config", "return config.no_such_section"),
+        check=nothing_written,
+    ),
+]
+
+
+def assert_second_forge_line(outcome: Outcome, pattern: str) -> None:
+    lines = [line for line in outcome.stderr.splitlines() if line.startswith("forge:")]
+    assert len(lines) >= 2, outcome.stderr
+    assert re.match(pattern, lines[1]), outcome.stderr
+
+
+def assert_each_step_has(ws: Workspace, key: str, value: float) -> None:
+    assert [r[key] for r in records(ws) if "loss" in r] == [value] * 4
+
+
+def assert_losses_positive(ws: Workspace) -> None:
+    assert all(r["loss"] > 0 for r in records(ws) if "loss" in r)
+
+
+def assert_in(text: str, stderr: str) -> None:
+    assert text in stderr, stderr
+
+
+@pytest.fixture
+def plugin_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The case's plugin site (``<root>/site``) on ``sys.path``; its modules forgotten afterwards."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))  # also invalidates importlib's caches
+    yield site
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(site)):
+            del sys.modules[name]
+    importlib.invalidate_caches()
+
+
+@pytest.mark.parametrize("case", case_params(CASES))
+def test_case(case, run_case, plugin_site):
+    run_case(case)
+
+
+def test_the_table_covers_every_lifecycle_hook():
+    hooks = " ".join(case.first_line for case in CASES)
+    for name in ("train_start", "step_end", "eval_end", "save_state", "load_state", "train_end"):
+        assert f"forge_lm_{name}" in hooks
+    assert len(CASES) >= 18
