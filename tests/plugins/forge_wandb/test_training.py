@@ -21,7 +21,7 @@ from forge_lm import hookimpl
 from forge_lm.components import MetricsContext
 from forge_lm.config import load_config, structure_options, to_data
 from forge_lm.metrics.jsonl import read_metrics
-from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.plugins import PluginHookFailed, PluginManager, PluginSettings
 from forge_lm.train import train
 from forge_wandb import offline
 from forge_wandb.backend import WandbBackendWarning
@@ -266,12 +266,12 @@ def test_a_training_that_fails_finishes_its_wandb_run_as_failed(tmp_path, flush_
     manager = PluginManager(PluginSettings(autoload=False, allow=("wandb",)))
     manager.add_plugin(Diverge(), "diverge")
     config = tiny_config(manager, tmp_path / "run", *NO_EVAL_NOR_CHECKPOINTS, "--metrics.wandb.mode=offline")
-    with pytest.raises(FloatingPointError):
+    with pytest.raises(PluginHookFailed, match="raised in forge_lm_step_end: FloatingPointError: the loss diverged"):
         train(config, manager)
     flush_wandb()
     (wandb_file,) = offline.run_files(tmp_path / "run")
     assert offline.exit_code(wandb_file) == 1  # W&B shows the run as failed
-    assert [step for step, _ in offline.history(wandb_file)] == [1]
+    assert [step for step, _ in offline.history(wandb_file)] == [1, 2]  # step 2 happened: logged, then stopped
     assert "final_loss" in offline.summary(wandb_file)  # the summary of a failed run is still written
 
 

@@ -260,7 +260,30 @@ def read_hf(hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     config_path = hf_dir / CONFIG_FILE
     if not config_path.is_file():
         raise ForgeError(f"'{hf_dir}' has no {CONFIG_FILE}; give a directory written by save_pretrained or export_hf.")
-    return json.loads(config_path.read_text()), _read_weights(hf_dir)
+    config = _read_json(config_path)
+    if not isinstance(config, dict):
+        raise ForgeError(f"'{config_path}' is not a JSON object; it is not a model's config.")
+    return config, _read_weights(hf_dir)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ForgeError(f"'{path}' is not valid JSON: {exc}") from None
+
+
+def _checked_conversion(converted: Any, hook: str, shape: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What a plugin's conversion hook returned, if it has the documented shape."""
+    if not (
+        isinstance(converted, tuple)
+        and len(converted) == 2
+        and all(isinstance(part, dict) and all(isinstance(k, str) for k in part) for part in converted)
+    ):
+        raise ForgeError(
+            f"a plugin's {hook} returned {type(converted).__name__}, not {shape}; report it to its authors"
+        )
+    return converted
 
 
 def export_with_plugins(
@@ -268,10 +291,10 @@ def export_with_plugins(
 ) -> Path:
     """Export through the plugin whose components make up ``model`` (``forge_lm_hf_export``),
     or as a Llama model when no plugin claims it."""
-    converted = manager.hook.forge_lm_hf_export(model=model, config=config)
+    converted = manager.call_first("forge_lm_hf_export", model=model, config=config)
     if converted is None:
         return export_hf(model, config, out_dir, eos_id=eos_id)
-    hf_config, state = converted
+    hf_config, state = _checked_conversion(converted, "forge_lm_hf_export", "(config.json dict, HF state dict)")
     return write_hf(out_dir, {**hf_config, "eos_token_id": eos_id}, state)
 
 
@@ -279,16 +302,29 @@ def import_with_plugins(manager: Any, hf_dir: str | Path) -> tuple[dict[str, Any
     """``([model] table, Forge state dict)`` through the plugin that understands the model type
     (``forge_lm_hf_import``), or as a Llama model when none does."""
     hf_config, hf_state = read_hf(hf_dir)
-    converted = manager.hook.forge_lm_hf_import(hf_config=hf_config, state=hf_state)
+    converted = manager.call_first("forge_lm_hf_import", hf_config=hf_config, state=hf_state)
     if converted is not None:
-        return converted
-    fields = model_section_fields(hf_config)
+        return _checked_conversion(converted, "forge_lm_hf_import", "([model] table, Forge state dict)")
+    try:
+        fields = model_section_fields(hf_config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ForgeError(
+            f"'{hf_dir}/{CONFIG_FILE}' does not describe a Llama model Forge can import: {type(exc).__name__}: {exc}"
+        ) from None
     if "lm_head.weight" not in hf_state:
         fields["tie_embeddings"] = True
     ffn = fields.pop("ffn")
     from forge_lm.config import to_data
 
     return {**fields, "ffn": {"name": ffn.name, **to_data(ffn.options)}}, from_hf_state_dict(hf_state)
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    st = _safetensors()
+    try:
+        return st.load_file(path)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for a damaged file
+        raise ForgeError(f"'{path}' is not a readable safetensors file: {exc}") from None
 
 
 def export_hf(
@@ -327,15 +363,21 @@ def load_hf(hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
 
 
 def _read_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    st = _safetensors()
     if (hf_dir / WEIGHTS_FILE).is_file():
-        return st.load_file(hf_dir / WEIGHTS_FILE)
+        return _load_safetensors(hf_dir / WEIGHTS_FILE)
     index = hf_dir / WEIGHTS_INDEX_FILE
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        listing = _read_json(index)
+        weight_map = listing.get("weight_map") if isinstance(listing, dict) else None
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise ForgeError(f"'{index}' has no weight_map of tensor names to shard files.")
         state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(st.load_file(hf_dir / shard))
+        for shard in sorted(set(weight_map.values())):
+            path = hf_dir / shard
+            # A shard is a file of this directory: never a path out of it, never a link.
+            if Path(shard).name != shard or shard.startswith(".") or path.is_symlink() or not path.is_file():
+                raise ForgeError(f"'{index}' names the shard {shard!r}, which is not a file in '{hf_dir}'.")
+            state.update(_load_safetensors(path))
         return state
     raise ForgeError(
         f"'{hf_dir}' has neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE}; only safetensors weights import "

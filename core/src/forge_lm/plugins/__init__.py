@@ -1,6 +1,7 @@
 """Plugin discovery, the component registry and the switches that control loading."""
 
 from forge_lm.plugins._api import API_ATTRIBUTE, PLUGIN_API_VERSION
+from forge_lm.plugins._calls import PLUGIN_HOOK_EXIT_CODE, PluginHookFailed
 from forge_lm.plugins._categories import CATEGORIES
 from forge_lm.plugins._manager import BUILTIN_PLUGINS, CORE_DISTRIBUTION, NoOptions, PluginManager, core_version
 from forge_lm.plugins._model import Component, PluginInfo, PluginStatus
@@ -15,9 +16,11 @@ __all__ = [
     "ENV_ALLOW",
     "ENV_BLOCK",
     "ENV_DISABLE_AUTOLOAD",
+    "PLUGIN_HOOK_EXIT_CODE",
     "PLUGIN_API_VERSION",
     "Component",
     "NoOptions",
+    "PluginHookFailed",
     "PluginInfo",
     "PluginManager",
     "PluginSettings",
