@@ -7,6 +7,14 @@ Exit codes of ``forge train`` (documented in the README):
 - 76: stopped by SIGTERM or SIGUSR1, but the checkpoint did not finish within
   ``resilience.signal_timeout`` seconds; the previous checkpoint is intact.
 - 3: stopped by the non-finite-loss policy.
+
+A preemption signal during start-up (plugins loading, the model, data and run directory being
+prepared, a checkpoint being restored: before the loop's :class:`PreemptionWatcher` is
+installed) also ends in 75, with nothing to save: ``forge train`` notes it from its start
+(:class:`StartupSignals`), and the next safe point (:func:`check_startup`: before the run
+directory is prepared and as the loop begins) raises :class:`PreemptedAtStartup`; a run
+directory that this start created is removed again (:mod:`forge_lm.train.run_dir`). Should no
+safe point come within ``resilience.signal_timeout`` seconds, the process exits 75 anyway.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from types import FrameType
 
 from forge_lm.distributed.reduce import any_rank
@@ -32,6 +41,13 @@ class Preempted(Exception):  # an event the CLI turns into an exit code, not an 
     def __init__(self, signal_name: str, step: int) -> None:
         super().__init__(f"{signal_name} at step {step}")
         self.signal_name, self.step = signal_name, step
+
+
+class PreemptedAtStartup(Preempted):
+    """A preemption signal came before the first step: nothing to save, nothing kept."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name, 0)
 
 
 class NonFiniteLoss(ForgeError):
@@ -74,6 +90,70 @@ class PreemptionWatcher:
     @property
     def signal_name(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else ""
+
+
+class StartupSignals:
+    """Notes SIGTERM/SIGUSR1 from the start of ``forge train`` until the loop's watcher takes
+    over; :func:`check_startup` turns a noted signal into :class:`PreemptedAtStartup`.
+
+    ``earlier``: the signals noted before this was installed (by the command line's first,
+    light handler, which spares a mistyped command the import of torch). From the signal on,
+    a timer exits 75 after ``timeout`` seconds in case no safe point comes (a long checkpoint
+    restore, a hung rendezvous)."""
+
+    def __init__(self, timeout: float, earlier: Sequence[int] = ()) -> None:
+        self.timeout = timeout
+        self.received: int | None = None
+        self._earlier = earlier
+        self._previous: dict[int, object] = {}
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> StartupSignals:
+        global _startup
+        if threading.current_thread() is threading.main_thread():
+            for sig in _SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        if self._earlier:  # read after installing: a signal cannot fall between the two handlers
+            self._handle(self._earlier[0], None)
+        _startup = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _startup
+        _startup = None
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signum
+            name = signal.Signals(signum).name
+            self._timer = threading.Timer(self.timeout, _force_exit_at_startup, args=(name, self.timeout))
+            self._timer.daemon = True
+            self._timer.start()
+
+
+_startup: StartupSignals | None = None  # installed by ``forge train`` for its whole run
+
+
+def check_startup() -> None:
+    """A safe point of the start-up: stop with :class:`PreemptedAtStartup` if a preemption
+    signal came (to any rank: under torchrun every rank calls this at the same point)."""
+    received = _startup.received if _startup is not None else None
+    if agree(received is not None):
+        raise PreemptedAtStartup(signal.Signals(received).name if received is not None else "a signal on another rank")
+
+
+def _force_exit_at_startup(name: str, timeout: float) -> None:
+    print(
+        f"forge: {name} received during start-up, and start-up did not reach a point to stop within {timeout:g} s; "
+        "exiting now. No step was trained: run the same command to start again.",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(PREEMPTED_EXIT_CODE)
 
 
 def _force_exit(name: str, timeout: float) -> None:

@@ -4,19 +4,45 @@
 run); ``plugins.json`` is the plugin manifest, so a later reader knows which distributions and
 versions produced it. Training into a directory that already holds a run resumes it: the new
 config may change how the run goes on (steps, intervals, metrics) but not what it trains.
+
+One run at a time: :class:`RunDirectory`, what ``forge train`` uses (on rank 0), locks the
+directory (``<run>/.lock``, :mod:`forge_lm.train.run_lock`) before it writes anything into it,
+and releases the lock when the run ends, also on errors.
+
+A start that fails leaves nothing behind ("exit 2: nothing written"), in three layers:
+
+- whatever can be checked without writing is checked before the directory is touched: the
+  config, the plugins, building the model and the data (the loop prepares the directory last);
+- a directory this run created is removed again when the run fails before its first step is
+  done: token ids outside the vocabulary in the first batch, a dtype or layout error in the
+  first forward pass, a preemption signal during start-up. It holds nothing of value then
+  (its ``config.toml`` is the command line's);
+- a directory that holds no checkpoint yet (such a failed start in a directory that existed
+  before, or a run stopped before its first checkpoint) accepts a corrected config: its
+  ``config.toml`` and ``plugins.json`` are replaced, with a warning. Only a checkpoint makes the
+  settings in :data:`FIXED_ON_RESUME` binding.
+
+A resumed run must be able to write: before anything is loaded, the directory and its
+``checkpoints/`` are probed and the files in it opened for appending, so a read-only run
+directory is a message naming it and the fix (exit 2), not a traceback halfway through.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
 import sys
-import tomllib
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from forge_lm.config import ForgeConfig, structure_config, to_data, to_toml
-from forge_lm.errors import ConfigError
+from forge_lm.checkpoint._io import CHECKPOINTS, LATEST
+from forge_lm.config import ForgeConfig, read_toml, structure_config, to_data, to_toml
+from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.plugins import PluginManager
+from forge_lm.train.run_lock import LOCK_FILE, RunLock
 
 CONFIG_FILE = "config.toml"
 MANIFEST_FILE = "plugins.json"
@@ -24,28 +50,128 @@ MANIFEST_FILE = "plugins.json"
 # The batch size may change (with a warning): a run resumed on another number of ranks adjusts
 # the per-rank batch to keep the global batch.
 FIXED_ON_RESUME = ("model.", "tokenizer.", "optimizer.name", "train.seq_len", "train.seed")
+_NOT_APPENDED = (CONFIG_FILE, MANIFEST_FILE, LOCK_FILE)  # files a resumed run does not write to
+
+
+class RunDirectory:
+    """Rank 0's hold on ``train.output_dir`` for one ``forge train``.
+
+    :meth:`open` creates or checks the directory under its lock; :meth:`close` (or leaving the
+    ``with`` block) releases the lock and, when the run failed before :attr:`trained` was set
+    (by the loop, after each step), removes the directory if this run created it.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(output_dir)
+        self.trained = False  # set once a step is done: from then on the directory is kept
+        self._created: Path | None = None  # the topmost directory this run created
+        self._lock: RunLock | None = None
+
+    def open(self, config: ForgeConfig, manager: PluginManager) -> tuple[Path, bool]:
+        """Lock the run directory, then create it or check ``config`` may resume the run in it.
+
+        Returns ``(run_dir, resuming)``."""
+        self._created = _make_dirs(self.path)
+        lock = RunLock(self.path)
+        try:
+            lock.acquire()
+        except OSError as exc:
+            raise _cannot_lock(self.path, lock.path, exc) from None
+        self._lock = lock
+        return self.path, _prepare(self.path, config, manager)
+
+    def close(self, *, failed: bool) -> None:
+        # Only under its lock: a run that lost the race for a directory it made leaves it to the winner.
+        if failed and self._created is not None and not self.trained and self._lock is not None:
+            shutil.rmtree(self._created, ignore_errors=True)
+        self._created = None
+        if self._lock is not None:
+            self._lock, lock = None, self._lock
+            lock.release()
+
+    def __enter__(self) -> RunDirectory:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def prepare_run_dir(config: ForgeConfig, manager: PluginManager) -> tuple[Path, bool]:
-    """Create the run directory, or check that ``config`` may resume the run already in it.
+    """Create the run directory, or check that ``config`` may resume the run already in it,
+    without locking it (``forge import-hf`` creates a new one and is done).
 
     Returns ``(run_dir, resuming)``.
     """
     run_dir = Path(config.train.output_dir)
-    if (run_dir / CONFIG_FILE).exists():
-        _check_resume(run_dir, config, manager)
-        return run_dir, True
+    _make_dirs(run_dir)
+    return run_dir, _prepare(run_dir, config, manager)
+
+
+def _prepare(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> bool:
+    checkpoints = run_dir / CHECKPOINTS
+    if _lexists(checkpoints) and not checkpoints.is_dir():
+        raise ForgeError(
+            f"[train] output_dir: '{checkpoints}' is not a directory, but the run's checkpoints go there. Move it "
+            "away or choose another train.output_dir."
+        )
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / CONFIG_FILE).write_text(to_toml(config))
-        (run_dir / MANIFEST_FILE).write_text(json.dumps(manager.manifest(), indent=2) + "\n")
+        checkpointed = checkpoints.is_dir() and any(
+            p.name == LATEST or p.name.startswith("step_") for p in checkpoints.iterdir()
+        )
     except OSError as exc:
-        raise ConfigError(f"[train] output_dir: cannot write to '{run_dir}': {exc.strerror}.") from None
-    return run_dir, False
+        raise ForgeError(
+            f"cannot read '{checkpoints}': {exc.strerror}. Give this user access to the run directory "
+            f"(chmod -R u+rwX '{run_dir}') or choose another train.output_dir."
+        ) from None
+    config_file = run_dir / CONFIG_FILE
+    if not _lexists(config_file):
+        if checkpointed:
+            raise ConfigError(
+                f"[train] output_dir: '{run_dir}' holds checkpoints but no {CONFIG_FILE}, so whether this config "
+                f"may resume them cannot be checked. Put the run's {CONFIG_FILE} back (from a copy of the run), "
+                "or choose another train.output_dir."
+            )
+        _write_run_files(run_dir, config, manager)
+        return False
+    _check_writable(run_dir)
+    if checkpointed:
+        _check_resume(run_dir, config, manager)
+    else:
+        _restart(run_dir, config, manager)
+    return True
+
+
+def _restart(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> None:
+    """A run directory without a checkpoint: nothing binds it, so a new config replaces its own."""
+    config_file = run_dir / CONFIG_FILE
+    if config_file.is_dir():
+        raise ConfigError(
+            f"[train] output_dir: '{config_file}' is a directory, not the run's config; remove it or choose "
+            "another train.output_dir."
+        )
+    try:
+        stored = structure_config(read_toml(config_file), manager.registry)
+    except ConfigError as exc:
+        why = f"its {CONFIG_FILE} does not load ({str(exc).rstrip('.')})"
+    else:
+        changed = differences(to_data(stored), to_data(config))
+        why = f"changed settings: {', '.join(changed)}" if changed else ""
+    if why:
+        _warn(
+            f"'{run_dir}' holds no checkpoint yet, so this run starts it afresh and replaces its {CONFIG_FILE} "
+            f"and {MANIFEST_FILE} ({why})"
+        )
+        _write_run_files(run_dir, config, manager)
 
 
 def _check_resume(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> None:
-    stored_data = tomllib.loads((run_dir / CONFIG_FILE).read_text())
+    try:
+        stored_data = read_toml(run_dir / CONFIG_FILE)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"cannot resume the run in '{run_dir}': {str(exc).rstrip('.')}. Restore it (from a copy of the run) "
+            "or choose another train.output_dir."
+        ) from None
     try:  # every component the stored run used must still be available
         stored = structure_config(stored_data, manager.registry)
     except ConfigError as exc:
@@ -61,11 +187,129 @@ def _check_resume(run_dir: Path, config: ForgeConfig, manager: PluginManager) ->
     if changed:
         _warn(f"resuming '{run_dir}' with changed settings: {', '.join(changed)}")
         index = len(list(run_dir.glob("config.resume-*.toml"))) + 1
-        (run_dir / f"config.resume-{index}.toml").write_text(to_toml(config))
+        _write(run_dir / f"config.resume-{index}.toml", to_toml(config))
     manifest_path = run_dir / MANIFEST_FILE
-    if manifest_path.exists():
-        for difference in manifest_differences(json.loads(manifest_path.read_text()), manager.manifest()):
-            _warn(f"resuming '{run_dir}': {difference}")
+    if not _lexists(manifest_path):
+        return
+    stored_manifest, problem = _read_manifest(manifest_path)
+    if problem:
+        _warn(f"resuming '{run_dir}': {problem}; it is replaced by this run's plugins")
+        _write(manifest_path, _manifest_text(manager))
+        return
+    for difference in manifest_differences(stored_manifest, manager.manifest()):
+        _warn(f"resuming '{run_dir}': {difference}")
+
+
+def _read_manifest(path: Path) -> tuple[list[dict[str, str]], str]:
+    """The stored plugin manifest, or what is wrong with it."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return [], f"its {MANIFEST_FILE} is not valid JSON ({exc}), so whether the plugins changed cannot be told"
+    except OSError as exc:
+        return [], f"its {MANIFEST_FILE} cannot be read ({exc.strerror}), so whether the plugins changed cannot be told"
+    keys = ("name", "distribution", "version")
+    if not (
+        isinstance(manifest, list)
+        and all(isinstance(p, dict) and all(isinstance(p.get(k), str) for k in keys) for p in manifest)
+    ):
+        return [], (
+            f"its {MANIFEST_FILE} is not a list of plugins (name, distribution, version), so whether the plugins "
+            "changed cannot be told"
+        )
+    return manifest, ""
+
+
+def _check_writable(run_dir: Path) -> None:
+    """Fail now, naming the directory, if the resumed run could not write what it writes."""
+    place = run_dir
+    try:
+        for place in (run_dir, run_dir / CHECKPOINTS):
+            if place.is_dir():
+                fd, probe = tempfile.mkstemp(prefix=".forge-write-test-", dir=place)
+                os.close(fd)
+                os.unlink(probe)
+        for place in sorted(run_dir.iterdir()):
+            if place.name not in _NOT_APPENDED and not place.name.startswith("config.") and place.is_file():
+                os.close(os.open(place, os.O_WRONLY | os.O_APPEND))  # what a metrics backend does; writes nothing
+    except OSError as exc:
+        raise ForgeError(
+            f"cannot resume the run in '{run_dir}': '{place}' cannot be written ({exc.strerror}). "
+            + _writable_fix(run_dir)
+        ) from None
+
+
+def _writable_fix(run_dir: Path) -> str:
+    return (
+        f"Make the run directory writable again (chmod -R u+w '{run_dir}'), or copy the run and resume the copy: "
+        f"cp -r '{run_dir}' NEW && forge train NEW/{CONFIG_FILE} --train.output_dir=NEW."
+    )
+
+
+def _cannot_lock(run_dir: Path, lock_path: Path, exc: OSError) -> ForgeError:
+    if exc.errno == errno.EISDIR or lock_path.is_dir():
+        return ForgeError(
+            f"[train] output_dir: cannot lock '{run_dir}': '{lock_path}' is a directory, but Forge keeps the run's "
+            "lock file there. Remove it or choose another train.output_dir."
+        )
+    if _lexists(run_dir / CONFIG_FILE):
+        return ForgeError(
+            f"cannot resume the run in '{run_dir}': the directory is not writable ({exc.strerror}: cannot create "
+            f"its lock file '{LOCK_FILE}'). " + _writable_fix(run_dir)
+        )
+    return ConfigError(
+        f"[train] output_dir: cannot write to '{run_dir}': {exc.strerror}. Choose a writable train.output_dir."
+    )
+
+
+def _make_dirs(run_dir: Path) -> Path | None:
+    """Create ``run_dir`` and its missing parents; the topmost directory this call created (and
+    no other process did at the same moment), or None when it existed."""
+    missing = []
+    existing = run_dir
+    while not _lexists(existing) and existing != existing.parent:
+        missing.append(existing)
+        existing = existing.parent
+    if not existing.is_dir():
+        what = f"'{run_dir}' is" if existing == run_dir else f"'{run_dir}' cannot be created: '{existing}' is"
+        kind = "a file, not a directory" if existing.is_file() else "not a directory"
+        raise ConfigError(f"[train] output_dir: {what} {kind}; choose another train.output_dir.")
+    created = None
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            if not directory.is_dir():
+                raise ConfigError(
+                    f"[train] output_dir: '{directory}' is not a directory; choose another train.output_dir."
+                ) from None
+            continue  # another process made it just now: not ours to remove
+        except OSError as exc:
+            raise ConfigError(
+                f"[train] output_dir: cannot create '{directory}': {exc.strerror}. Choose a writable train.output_dir."
+            ) from None
+        created = created or directory
+    return created
+
+
+def _write_run_files(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> None:
+    _write(run_dir / CONFIG_FILE, to_toml(config))
+    _write(run_dir / MANIFEST_FILE, _manifest_text(manager))
+
+
+def _manifest_text(manager: PluginManager) -> str:
+    return json.dumps(manager.manifest(), indent=2) + "\n"
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"[train] output_dir: cannot write to '{path.parent}': {exc.strerror}.") from None
+
+
+def _lexists(path: Path) -> bool:
+    return os.path.lexists(path)
 
 
 def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
