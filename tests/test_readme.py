@@ -39,3 +39,25 @@ def test_readme_torchrun_command_trains_on_two_cpu_ranks(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "2 ranks: dp_replicate=1 dp_shard=2" in done.stderr
     assert done.stdout.count("trained 2 steps") == 1
+
+
+def test_readme_exit_codes_are_the_ones_forge_train_uses():
+    """Every exit code the README lists for `forge train` is a constant of the code, and back."""
+    from forge_lm.cli._main import INTERRUPTED_EXIT_CODE
+    from forge_lm.errors import USAGE_EXIT_CODE
+    from forge_lm.plugins import PLUGIN_HOOK_EXIT_CODE
+    from forge_lm.train.resilience import FORCED_EXIT_CODE, NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE
+    from forge_lm.train.saving import SAVE_FAILED_EXIT_CODE
+
+    paragraph = re.search(r"Exit codes of `forge train`: (.*?)\n\n", README.read_text(), flags=re.DOTALL).group(1)
+    listed = {int(code) for code in re.findall(r"`(\d+)`", paragraph)}
+    assert listed == {
+        0,
+        USAGE_EXIT_CODE,
+        NONFINITE_EXIT_CODE,
+        PLUGIN_HOOK_EXIT_CODE,
+        SAVE_FAILED_EXIT_CODE,
+        PREEMPTED_EXIT_CODE,
+        FORCED_EXIT_CODE,
+        INTERRUPTED_EXIT_CODE,
+    }

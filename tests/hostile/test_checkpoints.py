@@ -374,7 +374,3 @@ def test_a_tampered_newest_checkpoint_never_makes_the_run_delete_an_intact_one(r
     state = json.loads((ws.checkpoints / "step_4" / "trainer_state.json").read_text())
     assert state["step"] == 4
     assert sorted(p.name for p in ws.checkpoints.glob("step_*")) == ["step_2", "step_4", "step_6"]
-
-
-def test_the_case_table_is_large_enough():
-    assert len(CASES) >= 60
