@@ -173,6 +173,17 @@ def test_the_run_directory_is_removed_only_when_this_start_created_it_and_traine
         kept.close(failed=failed)  # idempotent
 
 
+def test_a_failed_start_removes_a_parent_it_created_only_if_no_other_run_started_in_it(tiny_config, manager, tmp_path):
+    config = tiny_config(f"--train.output_dir={tmp_path / 'runs' / 'mine'}")
+    made = RunDirectory(config.train.output_dir)
+    made.open(config, manager)  # created runs/ and runs/mine
+    (tmp_path / "runs" / "theirs").mkdir()  # another run started beside it meanwhile
+    (tmp_path / "runs" / "theirs" / "config.toml").write_text("# theirs\n")
+    made.close(failed=True)
+    assert not (tmp_path / "runs" / "mine").exists()
+    assert (tmp_path / "runs" / "theirs" / "config.toml").read_text() == "# theirs\n"
+
+
 def test_a_start_that_lost_the_race_for_a_directory_it_made_leaves_it_to_the_winner(
     tiny_config, manager, tmp_path, monkeypatch
 ):

@@ -83,7 +83,15 @@ class RunDirectory:
     def close(self, *, failed: bool) -> None:
         # Only under its lock: a run that lost the race for a directory it made leaves it to the winner.
         if failed and self._created is not None and not self.trained and self._lock is not None:
-            shutil.rmtree(self._created, ignore_errors=True)
+            shutil.rmtree(self.path, ignore_errors=True)  # its content is this run's alone
+            # Parents it created go only if still empty: another run may have started in one meanwhile.
+            parent = self.path
+            while parent != self._created and parent.parent != parent:
+                parent = parent.parent
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
         self._created = None
         if self._lock is not None:
             self._lock, lock = None, self._lock
