@@ -283,6 +283,7 @@ CASES = [
             "step-claims-an-earlier-step": _set("step", 2),
             "step-is-a-bool": _set("step", True),
             "tokens-seen-is-a-string": _set("trainer.tokens_seen", "many"),
+            "tokens-seen-is-missing": lambda state: state["trainer"].pop("tokens_seen"),
             "data-state-is-a-string": _set("trainer.data", "corrupt"),
             "data-position-is-a-string": _set("trainer.data.batches", "12"),
             "scheduler-state-is-a-list": _set("trainer.scheduler", [1, 2]),

@@ -13,7 +13,7 @@ from forge_lm.plugins import PluginManager, PluginSettings, core_version
 CORE = f"forge-lm {core_version()}"
 TRAIN_KEYS = (
     "Valid keys: 'activation_checkpointing', 'batch_size', 'compile', 'device', 'grad_accum_steps', 'grad_clip', "
-    "'max_steps', 'output_dir', 'precision', 'seed', 'seq_len'"
+    "'max_steps', 'memory_check', 'output_dir', 'precision', 'seed', 'seq_len'"
 )
 
 
@@ -316,11 +316,12 @@ def test_an_installed_provider_that_lacks_the_component_is_told_to_upgrade(error
 
 def test_wandb_backend_with_autoloading_off_says_the_installed_plugin_is_disabled(builtins, error):
     message = error(None, '--metrics.backends=["wandb"]', manager=PluginManager(PluginSettings(autoload=False)))
-    assert message.splitlines()[1:] == [
+    assert message.splitlines() == [
+        f"[metrics] backends: metrics backend 'wandb' is provided by {_wandb()}, which is installed but disabled: "
+        "plugin autoloading is off (FORGE_LM_DISABLE_PLUGIN_AUTOLOAD or --no-plugin-autoload). Enable it to use "
+        "its components.",
         f"Available metrics backends: {available(builtins, 'metrics_backends')}.",
         f"Installed plugins offering metrics backends: plugin 'core.metrics' ({CORE}).",
-        f"{_wandb()} is installed but disabled: plugin autoloading is off "
-        "(FORGE_LM_DISABLE_PLUGIN_AUTOLOAD or --no-plugin-autoload). Enable it to use its components.",
     ]
 
 

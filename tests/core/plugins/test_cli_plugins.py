@@ -232,7 +232,7 @@ def test_config_naming_a_component_of_an_incompatible_plugin_gives_the_reason(fo
 def test_broken_plugin_does_not_stop_a_config_that_does_not_need_it(forge_cli, broken_plugins):
     result = forge_cli("--plugins", ",".join(broken_plugins), "config", "validate")
 
-    assert (result.returncode, result.stdout, result.stderr) == (0, "the default config is valid.\n", "")
+    assert (result.returncode, result.stdout.splitlines()[0], result.stderr) == (0, "the default config is valid.", "")
 
 
 def test_autoload_variable_disables_third_party_plugins_and_keeps_builtins(forge_cli, install_plugin):

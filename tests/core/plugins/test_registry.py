@@ -237,11 +237,10 @@ def test_known_name_whose_plugin_is_blocked_says_the_installed_plugin_is_disable
         manager.registry.resolve("optimizers", "muon")
 
     assert str(caught.value) == (
-        "unknown optimizer 'muon'.\n"
+        f"optimizer 'muon' is provided by plugin 'muon' (forge-optim-muon {MUON_VERSION}), which is installed but "
+        "disabled: blocked by FORGE_LM_BLOCK_PLUGINS or --block-plugin. Enable it to use its components.\n"
         f"Available optimizers: {quoted(builtin_names('optimizers'))}.\n"
-        f"Installed plugins offering optimizers: plugin 'core.optimizers' (forge-lm {FORGE_VERSION}).\n"
-        f"plugin 'muon' (forge-optim-muon {MUON_VERSION}) is installed but disabled: "
-        "blocked by FORGE_LM_BLOCK_PLUGINS or --block-plugin. Enable it to use its components."
+        f"Installed plugins offering optimizers: plugin 'core.optimizers' (forge-lm {FORGE_VERSION})."
     )
 
 

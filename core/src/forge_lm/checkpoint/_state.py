@@ -56,11 +56,12 @@ def check_trainer_state(state: Any, step: int) -> None:
 
 
 def _check_trainer(trainer: dict[str, Any]) -> None:
-    _require(_is_int(trainer.get("tokens_seen")) and trainer["tokens_seen"] >= 0, "tokens_seen is not a count")
+    """The fields the training loop keeps, where present (other callers save other state)."""
+    if "tokens_seen" in trainer:
+        _require(_is_int(trainer["tokens_seen"]) and trainer["tokens_seen"] >= 0, "tokens_seen is not a count")
     if "tokens_per_step" in trainer:
         _require(_is_int(trainer["tokens_per_step"]) and trainer["tokens_per_step"] > 0, "tokens_per_step is bad")
-    _require(isinstance(trainer.get("plugins", {}), dict), "plugins is not a JSON object")
-    for key in ("scheduler", "data", "config"):
+    for key in ("plugins", "scheduler", "data", "config"):
         _require(isinstance(trainer.get(key, {}), dict), f"{key} is not a JSON object")
     _require(isinstance(trainer.get("manifest", []), list), "manifest is not a list")
     _check_tensor_references(trainer, "trainer")

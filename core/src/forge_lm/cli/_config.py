@@ -9,7 +9,7 @@ TAKES_OVERRIDES = True
 
 _ACTIONS = {
     "show": "print the fully resolved config as TOML",
-    "validate": "check a config; exit 0 if valid, 2 if not",
+    "validate": "check a config and estimate its memory per rank; exit 0 if valid, 2 if not (or if it cannot fit)",
 }
 
 
@@ -39,5 +39,9 @@ def run(args, overrides, plugins) -> int:
     if args.config_command == "show":
         sys.stdout.write(to_toml(config))
     else:
+        from forge_lm.model.memory import validation_report
+
+        report = validation_report(config, manager.registry)  # refuses a run that cannot fit in memory here
         print(f"{path or 'the default config'} is valid.")
+        print(report)
     return 0

@@ -5,10 +5,16 @@ an error, not a silent conversion). Values from ``--section.key=value`` arrive a
 (:class:`CliValue`) and are parsed by the type of the field they set: ``8`` for an int,
 ``1e-3`` for a float, ``true`` for a bool, a TOML inline array for a list, ``none`` to clear
 an optional field.
+
+Numbers must be representable where they are used: integers fit in 64 bits (TOML's own range;
+torch takes nothing wider), and floats are finite and within float32's range (training computes
+in float32 at most: ``lr = inf`` or ``1e300`` would only turn into a NaN or an overflow later).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import tomllib
 import types
 import typing
@@ -20,38 +26,57 @@ _NONE_WORDS = {"none", "null"}
 _TRUE_WORDS = {"true", "yes", "on", "1"}
 _FALSE_WORDS = {"false", "no", "off", "0"}
 
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # a signed 64-bit integer: TOML's range, and torch's
+FLOAT_MAX = 3.4028234663852886e38  # the largest finite float32
+
 
 class CliValue(str):
     """Text given on the command line, typed later by the field it sets."""
 
 
 def describe(value: Any) -> str:
+    """How a message shows a given value: ``'8'`` from the command line, ``string '8'`` from TOML."""
     if isinstance(value, CliValue):
-        return f"'{value}'"
+        return _shortened(f"'{value}'")
     kind = {bool: "boolean", int: "integer", float: "float", str: "string", list: "array", dict: "table"}
-    return f"{kind.get(type(value), type(value).__name__)} {value!r}"
+    return f"{kind.get(type(value), type(value).__name__)} {_shortened(repr(value))}"
+
+
+def _shortened(text: str, limit: int = 80) -> str:
+    """``text``, or its start and end and its length when it is longer than ``limit``."""
+    return text if len(text) <= limit else f"{text[: limit - 20]}...{text[-10:]} ({len(text)} characters)"
 
 
 def _structure_int(value: Any, _: type) -> int:
+    number = None
     if isinstance(value, CliValue):
-        try:
-            return int(value)
-        except ValueError:
-            pass
+        with contextlib.suppress(ValueError):
+            number = int(value)
     elif isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ValueError(f"expected an integer, got {describe(value)}")
+        number = value
+    if number is None:
+        raise ValueError(f"expected an integer, got {describe(value)}")
+    if not INT_MIN <= number <= INT_MAX:
+        raise ValueError(f"expected an integer between -2**63 and 2**63 - 1 (64 bits), got {describe(value)}")
+    return number
 
 
 def _structure_float(value: Any, _: type) -> float:
+    number = None
     if isinstance(value, CliValue):
-        try:
-            return float(value)
-        except ValueError:
-            pass
+        with contextlib.suppress(ValueError):
+            number = float(value)
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    raise ValueError(f"expected a number, got {describe(value)}")
+        number = float(value) if isinstance(value, float) or abs(value) <= FLOAT_MAX else math.inf
+    if number is None:
+        raise ValueError(f"expected a number, got {describe(value)}")
+    # inf and nan as such ("inf", TOML's inf), not a finite number too large for a float ("1e400").
+    spelled = isinstance(value, float) or any(word in str(value).lower() for word in ("inf", "nan"))
+    if math.isnan(number) or (math.isinf(number) and spelled):
+        raise ValueError(f"expected a finite number, got {describe(value)}")
+    if abs(number) > FLOAT_MAX:
+        raise ValueError(f"expected a number of magnitude at most {FLOAT_MAX:.4g} (float32), got {describe(value)}")
+    return number
 
 
 def _structure_bool(value: Any, _: type) -> bool:

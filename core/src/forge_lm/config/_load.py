@@ -10,6 +10,7 @@ converter.
 from __future__ import annotations
 
 import tomllib
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,12 @@ class _Walker:
             raise ConfigError(f"[{where}]: {exc.args[0] if exc.args else exc}.") from None
 
     def _value(self, value: Any, tp: Any, where: str, key: str) -> Any:
+        item = _table_array_item(tp)
+        if item is not None:  # an array of tables ([[data.phases]]): each one walked like a section
+            if not isinstance(value, list | tuple) or not all(isinstance(t, Mapping) for t in value):
+                tables, given = f"[[{_join(where, key)}]]", describe(value)
+                raise ConfigError(f"{_name(where, key)}: expected an array of tables ({tables}), got {given}.")
+            return [self.structure(item, table, f"{_join(where, key)}[{i}]") for i, table in enumerate(value)]
         if isinstance(value, Mapping) and not _accepts_table(tp):
             raise ConfigError(f"{_name(where, key)}: expected a value, got a table.")
         try:
@@ -241,6 +248,14 @@ class _Walker:
 
 def _accepts_table(tp: Any) -> bool:
     return getattr(tp, "__origin__", tp) is dict
+
+
+def _table_array_item(tp: Any) -> type | None:
+    """``X`` when ``tp`` is ``list[X]`` of an attrs class ``X``, else None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is list and len(args) == 1 and isinstance(args[0], type) and attrs.has(args[0]):
+        return args[0]
+    return None
 
 
 def structure_options(registry: Registry, component: Any, data: Mapping[str, Any], where: str) -> Any:

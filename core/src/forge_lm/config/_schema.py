@@ -13,11 +13,12 @@ properties, after every layer (defaults, file, command line) has been applied.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import attrs
 
-from forge_lm.validators import FieldError, non_negative, one_of, positive
+from forge_lm.validators import FieldError, between, non_negative, one_of, positive
 
 CATEGORY = "forge_lm.category"  # attrs field metadata: the component category of the field
 MANY = "forge_lm.many"  # attrs field metadata: the field selects a list of components
@@ -116,13 +117,26 @@ class ModelSection:
         return self.dim // self.n_heads
 
 
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def _device_name(instance: Any, attribute: Any, value: str) -> None:
+    """The form of a device name; whether this machine has it is checked when a run starts."""
+    if not _DEVICE.fullmatch(value):
+        raise FieldError(attribute.name, f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+
+
 @attrs.frozen
 class TrainSection:
     output_dir: str = attrs.field(
         default="runs/default", metadata=_doc("The run directory: config, manifest, metrics, checkpoints.")
     )
     max_steps: int = attrs.field(default=200, validator=positive, metadata=_doc("Optimizer steps to run."))
-    seed: int = attrs.field(default=0, metadata=_doc("Seed of every random generator the run uses."))
+    seed: int = attrs.field(
+        default=0,
+        validator=between(-(2**31), 2**31 - 1),
+        metadata=_doc("Seed of every random generator the run uses (a 32-bit integer)."),
+    )
     batch_size: int = attrs.field(
         default=16, validator=positive, metadata=_doc("Sequences per micro-batch (per data-parallel rank).")
     )
@@ -133,7 +147,11 @@ class TrainSection:
     grad_clip: float = attrs.field(
         default=1.0, validator=non_negative, metadata=_doc("Clip the global gradient norm to this; 0 disables.")
     )
-    device: str = attrs.field(default="auto", metadata=_doc("'auto' (CUDA if available), 'cpu', 'cuda' or 'cuda:N'."))
+    device: str = attrs.field(
+        default="auto",
+        validator=_device_name,
+        metadata=_doc("'auto' (CUDA if available), 'cpu', 'cuda' or 'cuda:N'."),
+    )
     precision: str = attrs.field(
         default="auto",
         validator=one_of("auto", "fp32", "bf16"),
@@ -148,6 +166,13 @@ class TrainSection:
         metadata=_doc(
             "Recompute activations in backward to save memory: 'full' recomputes every block, "
             "'selective' keeps matmul and attention outputs and recomputes the rest."
+        ),
+    )
+    memory_check: bool = attrs.field(
+        default=True,
+        metadata=_doc(
+            "Refuse to start when the estimated memory per rank (weights, gradients, optimizer state, "
+            "activations) exceeds what the device has free; false starts anyway."
         ),
     )
 

@@ -1,7 +1,10 @@
 """Which package to install for a well-known component that is not installed.
 
 This is data for error messages only: the core never imports these packages nor branches on
-them. Third-party plugins are found through their entry points and need no entry here.
+them. Third-party plugins are found through their entry points and need no entry here. The
+table lists every component of the first-party plugins (a test compares it with what they
+register), so a config naming any of them while its plugin is missing or disabled says which
+distribution to install or enable.
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     "optimizers": {"muon": "forge-optim-muon"},
     "feed_forwards": {"moe": "forge-moe"},
     "routers": {"softmax_topk": "forge-moe", "sigmoid_topk": "forge-moe"},
-    "model_transforms": {"expert_parallel": "forge-moe"},
+    "model_transforms": {"expert_parallel": "forge-moe", "moe_load_sync": "forge-moe"},
     "metrics_backends": {"wandb": "forge-wandb"},
 }
+
+
+FIRST_PARTY = ("forge-moe", "forge-optim-muon", "forge-wandb")
 
 
 def known_provider(category: str, name: str) -> str | None:

@@ -94,21 +94,36 @@ class Registry:
         return component
 
     def _unknown_message(self, category: str, name: str) -> str:
+        """Why ``name`` is not available. The first line gives the cause when Forge knows it: the
+        distribution that provides the name (:mod:`forge_lm.plugins._hints`) is installed but
+        disabled by a switch, which it names; otherwise the name is unknown here."""
         noun = singular(category)
         names = self.names(category)
-        lines = [f"unknown {noun} '{name}'.{did_you_mean(name, names)}"]
+        package = known_provider(category, name)
+        installed = [
+            p for p in self._plugins if package and canonicalize_name(p.distribution) == canonicalize_name(package)
+        ]
+        disabled = [p for p in installed if p.status is PluginStatus.DISABLED]
+        if disabled:
+            lines = [
+                f"{noun} '{name}' is provided by {p.label}, which is installed but disabled: {p.reason}. "
+                "Enable it to use its components."
+                for p in disabled
+            ]
+        else:
+            lines = [f"unknown {noun} '{name}'.{did_you_mean(name, names)}"]
         lines.append(f"Available {plural(category)}: {quoted_list(names)}.")
         offering = sorted({c.plugin.label for c in self.components(category)})
         if offering:
             lines.append(f"Installed plugins offering {plural(category)}: {', '.join(offering)}.")
-        package = known_provider(category, name)
         unusable = [p for p in self._plugins if p.status in (PluginStatus.BROKEN, PluginStatus.DISABLED)]
         if package:
-            installed = [p for p in self._plugins if canonicalize_name(p.distribution) == canonicalize_name(package)]
             if not installed:
                 lines.append(f"'{name}' is provided by the package {package}: pip install {package}")
             for plugin in installed:
-                if plugin.status in (PluginStatus.BROKEN, PluginStatus.DISABLED):
+                if plugin.status is PluginStatus.DISABLED:
+                    continue  # said first
+                if plugin.status is PluginStatus.BROKEN:
                     lines.append(_unusable_text(plugin))
                 else:
                     lines.append(

@@ -40,11 +40,11 @@ from forge_lm.distributed.grads import clip_grad_norm
 from forge_lm.distributed.launch import on_main_process, rank_device
 from forge_lm.distributed.pipeline import PipelineRunner
 from forge_lm.distributed.reduce import mean_over_data_parallel
-from forge_lm.errors import ConfigError
 from forge_lm.losses.aux import collect_aux
 from forge_lm.metrics.mfu import mfu, peak_flops
 from forge_lm.model import build_model
 from forge_lm.model.flops import active_parameter_count, flops_per_token
+from forge_lm.model.memory import check_memory, model_vocab_size
 from forge_lm.plugins import PluginManager, PluginStatus
 from forge_lm.plugins._calls import PluginHookFailed, describe
 from forge_lm.train.components import build, build_dataset, build_metrics_backends
@@ -118,6 +118,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     seed_everything(config.train.seed)  # every rank builds the same initial model
     tokenizer = build(registry, "tokenizers", config.tokenizer)
     vocab_size = _vocab_size(config, tokenizer)
+    check_memory(config, vocab_size, registry, dims, device, dtype, agree)  # a run that cannot fit stops here
     model = build_model(config.model, vocab_size, registry).to(device)
     flops = flops_per_token(config.model, active_parameter_count(model), config.train.seq_len)
     pipeline = None
@@ -462,12 +463,4 @@ def _warn(message: str) -> None:
 
 
 def _vocab_size(config: ForgeConfig, tokenizer: Any) -> int:
-    size = config.model.vocab_size
-    if size is None:
-        return tokenizer.vocab_size
-    if size < tokenizer.vocab_size:
-        raise ConfigError(
-            f"[model] vocab_size: {size} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size}); "
-            "raise it or leave it unset to use the tokenizer's."
-        )
-    return size
+    return model_vocab_size(config, tokenizer)  # shared with `forge config validate`

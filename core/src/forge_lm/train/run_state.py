@@ -39,6 +39,9 @@ def restore_run(
     """Load the newest usable checkpoint into the run; False when there is none."""
 
     def restore(state: dict[str, Any]) -> None:
+        missing = {"tokens_seen", "plugins"} - set(state)
+        if missing:
+            raise ValueError(f"its trainer state lacks {', '.join(sorted(missing))}")
         if "scheduler" in state:  # absent in an imported model's step 0: schedule and data start fresh
             check_like(state["scheduler"], context.scheduler.state_dict(), "the scheduler state")
             check_like(state.get("data"), train_batches.state_dict(), "the data position")

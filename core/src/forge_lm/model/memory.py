@@ -1,0 +1,438 @@
+"""What a training run needs in memory per rank, estimated from its config before anything is allocated.
+
+``forge train`` checks the estimate before it builds the model (``forge_lm.train.loop._build``)
+and ``forge config validate`` prints it: a run that cannot fit its device is refused with a
+:class:`~forge_lm.errors.ConfigError` (exit 2) giving the estimate and the limit, in seconds,
+instead of growing until the kernel or the CUDA allocator kills it. ``[train] memory_check =
+false`` turns the refusal off (the estimate is still printed by ``forge config validate``).
+
+The estimate, per rank:
+
+- **weights**: every parameter once (a tied head is the embedding) at its own dtype (fp32),
+  plus the buffers (RoPE tables). The parameters are counted on a model built on torch's meta
+  device, which allocates nothing and works for any plugin's feed-forward layer (a mixture of
+  experts); at most :data:`MAX_BUILT_LAYERS` blocks are built, further blocks count as the
+  smallest built one, so any size is counted in well under a second. Where the model cannot be
+  laid out on meta, a lower bound from the config alone (embedding, attention, norms, RoPE
+  tables; no feed-forward) stands in.
+- **gradients**: one per parameter, at the parameter's dtype.
+- **optimizer state**: ``states`` tensors per parameter (AdamW 2, Lion 1, ...); see
+  :func:`optimizer_states` for how an optimizer declares its number.
+- Weights, gradients and optimizer state are divided by ``dp_shard * tp * pp``: FSDP2 shards
+  them over ``dp_shard``, tensor parallelism splits the matrices, pipeline stages hold their own
+  layers. Buffers are not divided.
+- **activations**, roughly: what backward keeps of one micro-batch (``batch_size * seq_len``
+  tokens), :func:`activation_bytes_per_token` per block (measured on the built-in model: about
+  22 fp32 values per token and unit of ``dim``), divided by ``tp``, times the blocks a rank
+  holds and the micro-batches in flight on a pipeline stage; plus the logits and their gradient.
+  Activation checkpointing keeps the block inputs and one block's activations.
+
+The limit (:func:`memory_limit`): on CUDA the device's free memory (``torch.cuda.mem_get_info``);
+on CPU the host's available memory (``MemAvailable``, or a cgroup's remaining limit if lower),
+shared by the ranks on the host (``LOCAL_WORLD_SIZE``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from forge_lm.config import ForgeConfig, ModelSection
+from forge_lm.errors import ConfigError, ForgeError, PluginError
+
+if TYPE_CHECKING:
+    from forge_lm.distributed.mesh import ParallelDims
+
+MAX_BUILT_LAYERS = 256
+"""Blocks built on the meta device to count parameters; more are extrapolated (``exact`` False)."""
+
+OPTIMIZER_STATES_ATTRIBUTE = "FORGE_LM_OPTIMIZER_STATES"
+"""An optimizer's options class may declare how many state tensors, each the size of its parameter,
+the optimizer keeps per parameter: ``FORGE_LM_OPTIMIZER_STATES: ClassVar[float] = 2`` (AdamW's
+``exp_avg`` and ``exp_avg_sq``). An upper bound is right where it varies by parameter."""
+
+KNOWN_OPTIMIZER_STATES: dict[tuple[str, str], float] = {
+    ("forge-lm", "adamw"): 2,  # exp_avg, exp_avg_sq
+    ("forge-lm", "lion"): 1,  # exp_avg
+    ("forge-lm", "schedule_free_adamw"): 2,  # z, exp_avg_sq
+    ("forge-optim-muon", "muon"): 2,  # momentum on hidden matrices, AdamW's two elsewhere: at most 2
+}
+"""State tensors per parameter of optimizers that do not declare :data:`OPTIMIZER_STATES_ATTRIBUTE`,
+by (distribution, name)."""
+
+DEFAULT_OPTIMIZER_STATES = 2.0
+"""For an optimizer Forge knows nothing about: Adam's two moments, the most common case."""
+
+_LOGIT_GRADIENT_BYTES = 8  # per logit: the loss's fp32 copy and the fp32 gradient
+
+
+@attrs.frozen
+class ParameterCount:
+    """A model's size: ``parameters`` (every tensor once), their bytes, and its buffers' bytes."""
+
+    parameters: int
+    parameter_bytes: int
+    buffer_bytes: int
+    exact: bool  # False: a lower bound, or extrapolated beyond MAX_BUILT_LAYERS blocks
+
+
+@attrs.frozen
+class MemoryEstimate:
+    """Bytes one rank needs, by kind; see the module's docstring for what each covers."""
+
+    count: ParameterCount
+    optimizer: str
+    states: float  # optimizer state tensors per parameter
+    shards: int  # dp_shard * tp * pp: what divides weights, gradients and optimizer state
+    weights: float
+    gradients: float
+    optimizer_state: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer_state + self.activations
+
+    def describe(self) -> str:
+        """``3.28M parameters; about 228 MB per rank (weights ..., activations ...)``."""
+        about = "about" if self.count.exact else "at least"
+        return f"{self.parameters()}; {about} {format_bytes(self.total)} per rank ({self.breakdown()})"
+
+    def parameters(self) -> str:
+        return f"{'' if self.count.exact else 'at least '}{format_count(self.count.parameters)} parameters"
+
+    def breakdown(self) -> str:
+        shards = f", weights sharded {self.shards} ways" if self.shards > 1 else ""
+        return (
+            f"weights {format_bytes(self.weights)}, gradients {format_bytes(self.gradients)}, optimizer state "
+            f"{format_bytes(self.optimizer_state)} ({self.optimizer}: {self.states:g} per parameter), activations "
+            f"{format_bytes(self.activations)}{shards}"
+        )
+
+
+@attrs.frozen
+class MemoryLimit:
+    """The bytes a rank may use, and where that figure comes from (for messages)."""
+
+    bytes: int
+    source: str  # "of free memory on cuda:0 (NVIDIA H100)", "of available memory on this host"
+
+
+def format_bytes(size: float) -> str:
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if size >= scale:
+            value = size / scale
+            return f"{value:,.0f} {unit}" if value >= 1000 else f"{value:.3g} {unit}"
+    return f"{size / 1e3:.3g} kB"
+
+
+def format_count(n: int) -> str:
+    for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:,.0f}{unit}" if value >= 1000 else f"{value:.3g}{unit}"
+    return str(n)
+
+
+# -- parameters ----------------------------------------------------------------------------------
+
+
+def lower_bound(model: ModelSection, vocab_size: int) -> ParameterCount:
+    """The parameters every model of ``model`` has whatever its feed-forward layer: embedding,
+    head (if untied), attention projections, norm scales; buffers: the RoPE tables. Python
+    integers, so any size is counted without overflow or allocation."""
+    dim, head_dim = model.dim, model.head_dim
+    kv_dim = model.kv_heads * head_dim
+    per_block = 2 * dim * dim + 2 * dim * kv_dim + 2 * dim  # wq, wo; wk, wv; two norm scales
+    if model.qk_norm:
+        per_block += 2 * head_dim
+    embeddings = vocab_size * dim * (1 if model.tie_embeddings else 2)
+    parameters = embeddings + model.n_layers * per_block + dim  # the final norm
+    rope = 2 * model.max_seq_len * head_dim * 4  # cos and sin, fp32
+    return ParameterCount(parameters, 4 * parameters, rope, exact=False)
+
+
+def count_parameters(model: ModelSection, vocab_size: int, registry: Any) -> ParameterCount:
+    """The parameters of the model :func:`~forge_lm.model.build_model` builds, counted on the meta
+    device: exact for up to :data:`MAX_BUILT_LAYERS` blocks. Raises what building raises (a
+    :class:`ForgeError` from a component; anything else if a component cannot be built on meta)."""
+    from forge_lm.model.transformer import build_model
+
+    built = min(model.n_layers, MAX_BUILT_LAYERS)
+    section = model if built == model.n_layers else attrs.evolve(model, n_layers=built)
+    # The meta device allocates nothing; fork_rng keeps the run's seeded generator where it was
+    # in case a component draws from it while initialising.
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        meta = build_model(section, vocab_size, registry)
+    seen: set[int] = set()
+
+    def size(module: torch.nn.Module) -> tuple[int, int]:
+        numel = nbytes = 0
+        for param in module.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                numel, nbytes = numel + param.numel(), nbytes + param.numel() * param.element_size()
+        return numel, nbytes
+
+    layers = list(meta.layers)
+    per_layer = [size(layer) for layer in layers]
+    rest = size(meta)  # what the blocks do not hold: the embedding (and a tied head, once), the final norm
+    buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
+    numel = rest[0] + sum(n for n, _ in per_layer)
+    nbytes = rest[1] + sum(b for _, b in per_layer)
+    missing = model.n_layers - built
+    if missing:
+        smallest = min(per_layer)
+        numel, nbytes = numel + missing * smallest[0], nbytes + missing * smallest[1]
+        layer_buffers = min(sum(b.numel() * b.element_size() for b in layer.buffers()) for layer in layers)
+        buffers += missing * layer_buffers
+    return ParameterCount(numel, nbytes, buffers, exact=not missing)
+
+
+def optimizer_states(component: Any) -> float:
+    """State tensors per parameter the optimizer ``component`` keeps: what its options class
+    declares in :data:`OPTIMIZER_STATES_ATTRIBUTE`, else :data:`KNOWN_OPTIMIZER_STATES`, else
+    :data:`DEFAULT_OPTIMIZER_STATES`."""
+    declared = getattr(component.options_class, OPTIMIZER_STATES_ATTRIBUTE, None)
+    if declared is None:
+        known = KNOWN_OPTIMIZER_STATES.get((component.plugin.distribution, component.name))
+        return float(DEFAULT_OPTIMIZER_STATES if known is None else known)
+    if isinstance(declared, bool) or not isinstance(declared, int | float) or not 0 <= declared < math.inf:
+        raise PluginError(
+            f"optimizer '{component.name}' from {component.plugin.label} declares {OPTIMIZER_STATES_ATTRIBUTE} = "
+            f"{declared!r}; it must be a number >= 0 (state tensors per parameter). This is a bug in the plugin."
+        )
+    return float(declared)
+
+
+# -- the estimate --------------------------------------------------------------------------------
+
+
+def activation_bytes_per_token(model: ModelSection, autocast: torch.dtype | None) -> int:
+    """Bytes one block's backward keeps per token: ``dim * (16 * element + 16)``, 80 per unit of
+    ``dim`` in fp32 (measured on the built-in block: 88), 48 in bf16 (the fp32 residual stream,
+    norms and RoPE are part of it); a lower estimate for wider feed-forward layers (MoE)."""
+    element = 4 if autocast is None else torch.finfo(autocast).bits // 8
+    return model.dim * (16 * element + 16)
+
+
+def estimate_memory(
+    config: ForgeConfig,
+    vocab_size: int,
+    registry: Any,
+    dims: ParallelDims,
+    autocast: torch.dtype | None,
+) -> MemoryEstimate:
+    """The per-rank estimate of the run ``config`` on the layout ``dims``: from the parameters
+    counted on the meta device, or from the lower bound (``count.exact`` False) where the model
+    cannot be laid out there (a component without meta support, sizes beyond 64-bit tensors)."""
+    component = registry.resolve("optimizers", config.optimizer.name)
+    states = optimizer_states(component)
+    try:
+        count = count_parameters(config.model, vocab_size, registry)
+    except ForgeError:
+        raise
+    except Exception:  # noqa: BLE001 - whatever stops the meta build, the lower bound still holds
+        count = lower_bound(config.model, vocab_size)
+    return _estimate(config, vocab_size, count, component.name, states, dims, autocast)
+
+
+def _estimate(
+    config: ForgeConfig,
+    vocab_size: int,
+    count: ParameterCount,
+    optimizer: str,
+    states: float,
+    dims: ParallelDims,
+    autocast: torch.dtype | None,
+) -> MemoryEstimate:
+    model, train = config.model, config.train
+    shards = dims.dp_shard * dims.tp * dims.pp
+    sharded = count.parameter_bytes / shards
+    tokens = train.batch_size * train.seq_len  # one micro-batch
+    per_block = activation_bytes_per_token(model, autocast) / dims.tp
+    blocks = math.ceil(model.n_layers / dims.pp)
+    if train.activation_checkpointing == "full":  # block inputs (fp32 residual stream), one block recomputed
+        kept = blocks * model.dim * 4 / dims.tp + per_block
+    elif train.activation_checkpointing == "selective":  # matmul and attention outputs kept, the rest recomputed
+        kept = blocks * per_block * 0.6
+    else:
+        kept = blocks * per_block
+    if dims.pp > 1:  # micro-batches whose activations a stage holds at once (the first stage's)
+        accum = train.grad_accum_steps
+        kept *= min(dims.pp, accum) if dims.pp_schedule == "1f1b" else accum
+    element = 4 if autocast is None else torch.finfo(autocast).bits // 8
+    logits = vocab_size * (element + _LOGIT_GRADIENT_BYTES)
+    return MemoryEstimate(
+        count=count,
+        optimizer=optimizer,
+        states=states,
+        shards=shards,
+        weights=sharded + count.buffer_bytes,
+        gradients=sharded,
+        optimizer_state=sharded * states,
+        activations=tokens * (kept + logits),
+    )
+
+
+# -- the limit -----------------------------------------------------------------------------------
+
+
+def memory_limit(device: torch.device, *, processes_on_host: int = 1) -> MemoryLimit | None:
+    """What one rank on ``device`` may use, or None when it cannot be told."""
+    if device.type == "cuda":
+        try:
+            free, _total = torch.cuda.mem_get_info(device)
+            name = torch.cuda.get_device_name(device)
+        except Exception:  # noqa: BLE001 - no figure is better than a failed start
+            return None
+        return MemoryLimit(int(free), f"of free memory on {device} ({name})")
+    if device.type == "cpu":
+        available = host_available_memory()
+        if available is None:
+            return None
+        processes = max(1, processes_on_host)
+        shared = f", shared by its {processes} processes" if processes > 1 else ""
+        return MemoryLimit(available // processes, f"of available memory on this host{shared}")
+    return None
+
+
+def host_available_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes this process could still allocate: the kernel's ``MemAvailable``, or less if a cgroup
+    (a container, a SLURM job) limits it; ``sysconf`` where there is no ``/proc``."""
+    found = []
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    groups = [cgroup]
+    try:  # cgroup v2: this process's own group ("0::/slurm/job_1"), besides the namespace's root
+        for line in (proc / "self" / "cgroup").read_text().splitlines():
+            if line.startswith("0::/") and line[4:].strip():
+                groups.insert(0, cgroup / line[4:].strip())
+    except OSError:
+        pass
+    pairs = [(group / "memory.max", group / "memory.current") for group in groups]
+    pairs.append((cgroup / "memory" / "memory.limit_in_bytes", cgroup / "memory" / "memory.usage_in_bytes"))  # v1
+    for limit_file, usage_file in pairs:
+        try:
+            limit, usage = limit_file.read_text().strip(), int(usage_file.read_text().strip())
+            if limit != "max" and int(limit) < 2**60:  # v1 writes a huge number for "no limit"
+                found.append(max(0, int(limit) - usage))
+        except (OSError, ValueError):
+            pass
+    if not found:
+        try:
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (AttributeError, OSError, ValueError):
+            return None
+    return min(found)
+
+
+# -- refusing ------------------------------------------------------------------------------------
+
+
+def refusal(estimate: MemoryEstimate, limit: MemoryLimit) -> str:
+    about = "about" if estimate.count.exact else "at least"
+    return (
+        f"the run needs {about} {format_bytes(estimate.total)} of memory per rank, more than the "
+        f"{format_bytes(limit.bytes)} {limit.source}: {estimate.parameters()}; {estimate.breakdown()}. Make the "
+        "model smaller ([model] "
+        "n_layers, dim, vocab_size, max_seq_len, [model.ffn]), lower [train] batch_size or seq_len, set [train] "
+        "activation_checkpointing, or shard it over more ranks ([distributed] dp_shard, tp, pp under torchrun); "
+        "[train] memory_check = false starts it anyway."
+    )
+
+
+def check_memory(
+    config: ForgeConfig,
+    vocab_size: int,
+    registry: Any,
+    dims: ParallelDims,
+    device: torch.device,
+    autocast: torch.dtype | None,
+    agree: Callable[[bool], bool] = bool,
+) -> MemoryEstimate | None:
+    """Refuse the run (:class:`ConfigError`) if its estimate exceeds this rank's memory; called by
+    every rank before anything is built. ``agree`` makes one rank's refusal every rank's, so that
+    no rank goes on to wait for the others. Returns the estimate (None with memory_check off)."""
+    if not config.train.memory_check:
+        return None
+    limit = memory_limit(device, processes_on_host=_processes_on_host(device))
+    estimate = estimate_memory(config, vocab_size, registry, dims, autocast)
+    too_big = limit is not None and estimate.total > limit.bytes
+    if agree(too_big):
+        raise ConfigError(
+            refusal(estimate, limit)
+            if too_big and limit is not None
+            else "another rank's share of the run does not fit in its memory; see that rank's message."
+        )
+    return estimate
+
+
+def validation_report(config: ForgeConfig, registry: Any) -> str:
+    """For ``forge config validate``: the estimate, and the device it was checked against, as
+    ``forge train`` would run the config here (``dp_shard = -1``: the ranks of this launch, one
+    outside ``torchrun``). Raises :class:`ConfigError` where ``forge train`` would refuse it."""
+    from forge_lm.distributed.launch import detect_launch
+    from forge_lm.distributed.mesh import ParallelDims
+    from forge_lm.train.components import build
+    from forge_lm.train.device import autocast_dtype, resolve_device
+
+    vocab_size = model_vocab_size(config, build(registry, "tokenizers", config.tokenizer))
+    section = config.distributed
+    dp_shard = section.dp_shard
+    if dp_shard == -1:
+        dp_shard = max(1, detect_launch().world_size // (section.dp_replicate * section.tp * section.pp))
+    dims = ParallelDims(section.dp_replicate, dp_shard, section.tp, section.pp, section.ep, section.pp_schedule)
+    # The rules tying the degrees to the model and the batch, as a launch would check them; with
+    # dp_shard = -1 the launch picks a dp_shard that ep divides.
+    attrs.evolve(dims, dp_shard=dp_shard * section.ep if section.dp_shard == -1 else dp_shard).check(config)
+    try:
+        device = resolve_device(config.train.device)
+    except ConfigError as exc:  # the config may be meant for another machine
+        meant = torch.device("cuda" if config.train.device.startswith("cuda") else "cpu")
+        estimate = estimate_memory(config, vocab_size, registry, dims, autocast_dtype(config.train.precision, meant))
+        return f"estimate: {estimate.describe()}; not checked against a device here: {exc}"
+    autocast = autocast_dtype(config.train.precision, device)
+    limit = memory_limit(device, processes_on_host=_processes_on_host(device))
+    estimate = estimate_memory(config, vocab_size, registry, dims, autocast)
+    if limit is None:
+        return f"estimate: {estimate.describe()}; the memory of {device} is unknown here."
+    if estimate.total > limit.bytes:
+        if config.train.memory_check:
+            raise ConfigError(refusal(estimate, limit))
+        limit_text = f"{format_bytes(limit.bytes)} {limit.source}"
+        return f"estimate: {estimate.describe()}; more than the {limit_text} ([train] memory_check = false)."
+    return f"estimate: {estimate.describe()}; {format_bytes(limit.bytes)} {limit.source}."
+
+
+def _processes_on_host(device: torch.device) -> int:
+    """Ranks sharing this host's memory: torchrun's local world on CPU; each GPU is its own."""
+    if device.type != "cpu":
+        return 1
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def model_vocab_size(config: ForgeConfig, tokenizer: Any) -> int:
+    """The model's vocabulary: ``[model] vocab_size``, at least the tokenizer's, or the tokenizer's."""
+    size = config.model.vocab_size
+    if size is None:
+        return tokenizer.vocab_size
+    if size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"[model] vocab_size: {size} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size}); "
+            "raise it or leave it unset to use the tokenizer's."
+        )
+    return size
