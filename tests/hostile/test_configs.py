@@ -37,6 +37,22 @@ def write_bytes(data: bytes):
     return write
 
 
+def shard_with_metadata(metadata: str):
+    """A token shard (``{root}/shards/a.npy``) whose metadata file holds ``metadata``."""
+
+    def write(ws: Workspace) -> None:
+        import numpy as np
+
+        (ws.root / "shards").mkdir()
+        np.save(ws.root / "shards" / "a.npy", np.arange(4096, dtype=np.uint16) % 257)
+        (ws.root / "shards" / "a.json").write_text(metadata)
+
+    return write
+
+
+SHARDS = ("--data.name=memmap", "--data.path={root}/shards")
+
+
 def make_directory(ws: Workspace) -> None:
     (ws.root / "run.toml").mkdir()
 
@@ -351,6 +367,40 @@ CASES = [
         (*VALIDATE, "--distributed.pp=2", "--train.grad_accum_steps=2"),
         2,
         r"forge: error: \[distributed\] pipeline stages cannot share one embedding matrix",
+    ),
+    Case(
+        "adamw-betas-of-one",
+        (*VALIDATE, "--optimizer.betas=[1.0, 1.0]"),
+        2,
+        r"forge: error: \[optimizer\] betas: must be \[beta1, beta2\] with both in \[0, 1\), got \[1\.0, 1\.0\]",
+    ),
+    Case(
+        "jsonl-file-out-of-the-run",
+        (*VALIDATE, "--metrics.jsonl.filename=../escape.jsonl"),
+        2,
+        r"forge: error: \[metrics\.jsonl\] filename: must be a file name inside the run directory",
+    ),
+    Case(
+        "jsonl-file-absolute",
+        (*VALIDATE, "--metrics.jsonl.filename=/tmp/escape.jsonl"),
+        2,
+        r"forge: error: \[metrics\.jsonl\] filename: must be a file name inside the run directory",
+    ),
+    Case(
+        "shard-metadata-vocab-size-a-string",
+        (*TRAIN, *SHARDS),
+        2,
+        r"forge: error: metadata file '.*a\.json' states vocab_size = \"257\", which is not a vocabulary size",
+        setup=shard_with_metadata('{"vocab_size": "257"}'),
+        check=nothing_written,
+    ),
+    Case(
+        "shard-metadata-negative-count",
+        (*TRAIN, *SHARDS),
+        2,
+        r"forge: error: metadata file '.*a\.json' states num_tokens = -1, which is not a count of tokens",
+        setup=shard_with_metadata('{"num_tokens": -1}'),
+        check=nothing_written,
     ),
     Case(
         "dp-shard-zero",

@@ -71,7 +71,28 @@ def read_metadata(shard: Path, *, required: bool) -> dict[str, Any]:
         ) from None
     if not isinstance(metadata, dict):
         raise ForgeError(f'metadata file \'{path}\' must hold a JSON object such as {{"dtype": "uint16"}}.')
+    for key, (kinds, what) in _METADATA_TYPES.items():
+        value = metadata.get(key)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) or _negative(value)):
+            raise ForgeError(
+                f"metadata file '{path}' states {key} = {json.dumps(value)}, which is not {what}; fix it or prepare "
+                "the data again."
+            )
     return metadata
+
+
+# The type each known metadata key must have: a file is data, and data is untrusted.
+_METADATA_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "dtype": (str, "a dtype name"),
+    "num_tokens": (int, "a count of tokens"),
+    "eos_id": (int, "a token id"),
+    "vocab_size": (int, "a vocabulary size"),
+    "tokenizer": ((str, dict), "a tokenizer's name or description"),
+}
+
+
+def _negative(value: Any) -> bool:
+    return isinstance(value, int) and value < 0
 
 
 def _check_count(shard: Path, metadata: dict[str, Any], count: int) -> None:

@@ -28,9 +28,17 @@ class ConsoleOptions:
     digits: int = attrs.field(default=4, validator=positive)  # significant digits per value
 
 
+def _a_file_of_the_run_directory(instance: Any, attribute: Any, value: str) -> None:
+    path = PurePath(value)
+    if not value or path.is_absolute() or len(path.parts) != 1 or value in (".", ".."):
+        raise FieldError(
+            attribute.name, f"must be a file name inside the run directory, like 'metrics.jsonl', got {value!r}"
+        )
+
+
 @attrs.define
 class JsonlOptions:
-    filename: str = "metrics.jsonl"  # inside the run directory
+    filename: str = attrs.field(default="metrics.jsonl", validator=_a_file_of_the_run_directory)
 
 
 @attrs.define

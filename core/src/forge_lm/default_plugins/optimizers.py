@@ -26,9 +26,15 @@ def _momentum_betas(instance: Any, attribute: Any, value: tuple[float, float]) -
         )
 
 
+def _adam_betas(instance: Any, attribute: Any, value: tuple[float, float]) -> None:
+    """Both betas in [0, 1): beta1 = 0 is Adam without momentum; 1 would never forget."""
+    if not all(0.0 <= beta < 1.0 for beta in value):
+        raise FieldError(attribute.name, f"must be [beta1, beta2] with both in [0, 1), got {list(value)!r}")
+
+
 @attrs.define
 class AdamWOptions(LearningRateOptions):
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = attrs.field(default=(0.9, 0.95), validator=_adam_betas)
     eps: float = attrs.field(default=1e-8, validator=positive)
     weight_decay: float = attrs.field(default=0.1, validator=non_negative)
     decay_embeddings: bool = False  # by default embeddings, like norms and biases, are not decayed
