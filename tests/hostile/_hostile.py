@@ -17,7 +17,9 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -86,6 +88,7 @@ class Case:
     needs_run: bool = False
     subprocess: bool = False
     check: Callable[[Workspace, Outcome], None] | None = None
+    file_size_limit: int | None = None  # bytes any one file may grow to (RLIMIT_FSIZE): a disk that fills up
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,18 @@ def _run_in_process(args: list[str], ws: Workspace, capsys: pytest.CaptureFixtur
     return Outcome(code, captured.out, captured.err)
 
 
-def _run_subprocess(args: list[str], ws: Workspace) -> Outcome:
+def _limit_file_size(limit: int) -> Callable[[], None]:
+    """Run in the child before exec: writes past ``limit`` bytes fail with EFBIG (an OSError, as
+    on a full disk) instead of killing the process with SIGXFSZ."""
+
+    def limit_in_child() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return limit_in_child
+
+
+def _run_subprocess(args: list[str], ws: Workspace, file_size_limit: int | None = None) -> Outcome:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FORGE_LM_")}
     env.update(ws.env)
     done = subprocess.run(
@@ -178,6 +192,7 @@ def _run_subprocess(args: list[str], ws: Workspace) -> Outcome:
         env=env,
         cwd=ws.root,
         timeout=300,
+        preexec_fn=_limit_file_size(file_size_limit) if file_size_limit else None,
     )
     return Outcome(done.returncode, done.stdout, done.stderr)
 
@@ -195,7 +210,11 @@ def run_case(
         intact = newest_intact(ws.checkpoints, ws.damaged) if ws.checkpoints.is_dir() else None
         before = fingerprint(intact) if intact is not None else None
         args = _expand(case.argv, ws)
-        outcome = _run_subprocess(args, ws) if case.subprocess else _run_in_process(args, ws, capsys)
+        if case.file_size_limit is not None:
+            assert case.subprocess, f"{case.id}: a file size limit applies to a subprocess only"
+        outcome = (
+            _run_subprocess(args, ws, case.file_size_limit) if case.subprocess else _run_in_process(args, ws, capsys)
+        )
         detail = f"forge {' '.join(args)}\n--- stderr ---\n{outcome.stderr}"
         assert "Traceback" not in outcome.stderr, detail
         assert outcome.exit_code == case.exit_code, detail

@@ -128,8 +128,8 @@ class CheckpointManager:
                     _remove(path)
             previous = self.latest()
             raise CheckpointSaveError(
-                f"could not write checkpoint '{path}': {_describe(exc)}. The previous checkpoint "
-                f"({previous.name if previous else 'none yet'}) is intact; free disk space or fix the "
+                f"could not write checkpoint '{path}': {_describe(exc)}{_free_space(self.root)}. The previous "
+                f"checkpoint ({previous.name if previous else 'none yet'}) is intact; free disk space or fix the "
                 "permissions of the run directory."
             ) from None
         if main:
@@ -336,6 +336,16 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, ForgeError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _free_space(directory: Path) -> str:
+    """`` (12.3 GB free on its disk)``: what a failed write most often lacks, whatever the error
+    said (torch's file writer reports a full disk as a position mismatch)."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return ""
+    return f" ({free / 1e9:.3g} GB free on its disk)"
 
 
 def _global_shape(tensor: torch.Tensor) -> torch.Size:
