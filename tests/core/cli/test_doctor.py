@@ -333,8 +333,10 @@ def test_config_using_a_disabled_plugins_component_fails_saying_so(doctor):
     assert code == 1
     status, detail = rows["config"]
     assert status == "fail"
-    assert "the default config with 1 override(s): [optimizer] name = 'muon': unknown optimizer 'muon'" in detail
-    assert "plugin 'muon' (forge-optim-muon 0.1.0) is installed but disabled" in detail
+    assert (
+        "the default config with 1 override(s): [optimizer] name = 'muon': optimizer 'muon' is provided by plugin "
+        "'muon' (forge-optim-muon 0.1.0), which is installed but disabled"
+    ) in detail
 
 
 # -- run directory, disk, writable paths ---------------------------------------------------------
