@@ -280,3 +280,19 @@ def test_a_start_up_that_reaches_no_safe_point_exits_75_when_the_signal_timeout_
         "forge: SIGTERM received during start-up, and start-up did not reach a point to stop within 0.2 s; exiting "
         "now. No step was trained: run the same command to start again."
     )
+
+
+def test_evaluation_batches_are_checked_against_the_vocabulary_like_training_batches():
+    from forge_lm.train.evaluate import Evaluator
+
+    class Samples(list):  # a dataset: iterable, with a (trivial) position
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    ids = torch.tensor([1, 2, 300, 4])
+    evaluator = Evaluator(Samples([{"input_ids": ids, "labels": ids}] * 4), 2, 1, torch.device("cpu"), None, 257)
+    with pytest.raises(ForgeError, match=r"the evaluation data .*300"):
+        evaluator.run(lambda batch: 0.0, lambda value: value)

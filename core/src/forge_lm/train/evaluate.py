@@ -22,8 +22,10 @@ class Evaluator:
         steps: int,
         device: torch.device,
         dtype: torch.dtype | None,
+        vocab_size: int | None = None,
+        source: str = "the evaluation data",
     ) -> None:
-        self.loader = BatchLoader(dataset, batch_size)
+        self.loader = BatchLoader(dataset, batch_size, vocab_size, source)  # ids checked like training's
         self.start = self.loader.state_dict()
         self.steps = steps
         self.device = device

@@ -133,7 +133,9 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     evaluator = None
     if config.eval.interval:
         eval_data = build_dataset(config, registry, tokenizer, vocab_size, "eval", dp_rank, dp_size)
-        evaluator = Evaluator(eval_data, config.train.batch_size, config.eval.steps, device, dtype)
+        evaluator = Evaluator(
+            eval_data, config.train.batch_size, config.eval.steps, device, dtype, vocab_size, "the evaluation data"
+        )
     if dims.distributed and is_main_process():
         print(f"forge: {dims.describe()}; model transforms: {', '.join(applied) or 'none'}", file=sys.stderr)
     train_data = build_dataset(config, registry, tokenizer, vocab_size, "train", dp_rank, dp_size)
