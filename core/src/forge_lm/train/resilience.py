@@ -23,7 +23,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 from forge_lm.distributed.reduce import any_rank
@@ -54,17 +54,19 @@ class NonFiniteLoss(ForgeError):
     """The loss or gradients stayed non-finite beyond what the policy allows."""
 
 
-class PreemptionWatcher:
-    """Notes SIGTERM/SIGUSR1 so that the loop can finish its step and checkpoint; from the
-    signal on, a timer forces the exit after ``timeout`` seconds in case the save hangs."""
+class _SignalNote:
+    """Notes the first SIGTERM/SIGUSR1 while installed (in the main thread, where signals
+    arrive) and from it on runs ``on_timeout(signal name, timeout)`` after ``timeout``
+    seconds, in case the point where the code acts on it never comes."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, on_timeout: Callable[[str, float], None]) -> None:
         self.timeout = timeout
         self.received: int | None = None
+        self._on_timeout = on_timeout
         self._previous: dict[int, object] = {}
         self._timer: threading.Timer | None = None
 
-    def __enter__(self) -> PreemptionWatcher:
+    def __enter__(self) -> _SignalNote:
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             for sig in _SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -79,20 +81,28 @@ class PreemptionWatcher:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signum
-            self._timer = threading.Timer(self.timeout, _force_exit, args=(signal.Signals(signum).name, self.timeout))
+            self._timer = threading.Timer(self.timeout, self._on_timeout, args=(self.signal_name, self.timeout))
             self._timer.daemon = True
             self._timer.start()
-
-    def requested(self) -> bool:
-        """Whether any rank received a preemption signal (agreed across ranks)."""
-        return agree(self.received is not None)
 
     @property
     def signal_name(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else ""
 
 
-class StartupSignals:
+class PreemptionWatcher(_SignalNote):
+    """Notes SIGTERM/SIGUSR1 so that the loop can finish its step and checkpoint; from the
+    signal on, a timer forces the exit (76) after ``timeout`` seconds in case the save hangs."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(timeout, _force_exit)
+
+    def requested(self) -> bool:
+        """Whether any rank received a preemption signal (agreed across ranks)."""
+        return agree(self.received is not None)
+
+
+class StartupSignals(_SignalNote):
     """Notes SIGTERM/SIGUSR1 from the start of ``forge train`` until the loop's watcher takes
     over; :func:`check_startup` turns a noted signal into :class:`PreemptedAtStartup`.
 
@@ -102,17 +112,12 @@ class StartupSignals:
     restore, a hung rendezvous)."""
 
     def __init__(self, timeout: float, earlier: Sequence[int] = ()) -> None:
-        self.timeout = timeout
-        self.received: int | None = None
+        super().__init__(timeout, _force_exit_at_startup)
         self._earlier = earlier
-        self._previous: dict[int, object] = {}
-        self._timer: threading.Timer | None = None
 
     def __enter__(self) -> StartupSignals:
         global _startup
-        if threading.current_thread() is threading.main_thread():
-            for sig in _SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+        super().__enter__()
         if self._earlier:  # read after installing: a signal cannot fall between the two handlers
             self._handle(self._earlier[0], None)
         _startup = self
@@ -121,18 +126,7 @@ class StartupSignals:
     def __exit__(self, *exc: object) -> None:
         global _startup
         _startup = None
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        if self._timer is not None:
-            self._timer.cancel()
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is None:
-            self.received = signum
-            name = signal.Signals(signum).name
-            self._timer = threading.Timer(self.timeout, _force_exit_at_startup, args=(name, self.timeout))
-            self._timer.daemon = True
-            self._timer.start()
+        super().__exit__(*exc)
 
 
 _startup: StartupSignals | None = None  # installed by ``forge train`` for its whole run
