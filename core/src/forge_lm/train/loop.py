@@ -45,10 +45,11 @@ from forge_lm.metrics.mfu import mfu, peak_flops
 from forge_lm.model import build_model
 from forge_lm.model.flops import active_parameter_count, flops_per_token
 from forge_lm.model.memory import check_memory, model_vocab_size
-from forge_lm.plugins import PluginManager, PluginStatus
-from forge_lm.plugins._calls import PluginHookFailed, describe
+from forge_lm.plugins import PluginManager
+from forge_lm.plugins._calls import PluginHookFailed
 from forge_lm.train.components import build, build_dataset, build_metrics_backends
 from forge_lm.train.device import autocast_dtype, resolve_device, seed_everything
+from forge_lm.train.ending import end_run, stop_for_plugin, warn_about_unused_plugins
 from forge_lm.train.evaluate import Evaluator
 from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree, check_startup
 from forge_lm.train.run_dir import RunDirectory
@@ -180,7 +181,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
     parts = _build(config, manager)
     model, optimizer, backends = parts.model, parts.optimizer, parts.backends
     if is_main_process():
-        _warn_about_unused_plugins(manager)
+        warn_about_unused_plugins(manager)
     check_startup()  # a preemption signal while building: stop before anything is written
     # Only now, with everything built, is the run directory locked and written (or found, to
     # resume): a failed start leaves nothing behind.
@@ -252,81 +253,11 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
         status = "interrupted"
         raise
     except PluginHookFailed as failure:  # a training hook failed: stop, with the last step saved
-        failure.outcome = _stop_for_plugin(failure, checkpoints, context, parts, manager)
+        failure.outcome = stop_for_plugin(failure, checkpoints, context, parts.train_batches, parts.dims, manager)
         raise
     finally:  # never replaces the exception that ended the run
-        _end_run(manager, context, status, started, backends, checkpoints, {"final_loss": loss, "steps": context.step})
+        end_run(manager, context, status, started, backends, checkpoints, {"final_loss": loss, "steps": context.step})
     return TrainResult(run_dir, context.step, loss, status)
-
-
-def _end_run(
-    manager: PluginManager,
-    context: TrainContext,
-    status: str,
-    started: bool,
-    backends: list[Any],
-    checkpoints: CheckpointManager,
-    summary: dict[str, float],
-) -> None:
-    """train_end, the backends' finish and the checkpoint writer's close. A failure in any of
-    them is a warning: the run's outcome (and its exception, if any) stands. Only Ctrl-C
-    during train_end after a completed run still interrupts."""
-    interrupted: KeyboardInterrupt | None = None
-    if started:
-        try:
-            manager.call_quietly("forge_lm_train_end", context=context, status=status)
-        except KeyboardInterrupt as exc:
-            interrupted = exc
-    for backend in backends:  # guarded: a failure is a warning
-        backend.finish(summary)
-    try:
-        checkpoints.close()
-    except Exception as exc:
-        if status == "completed":
-            raise
-        _warn(f"the checkpoint being written in the background did not finish: {describe(exc)}")
-    if interrupted is not None and status == "completed":
-        raise interrupted
-
-
-def _stop_for_plugin(
-    failure: PluginHookFailed,
-    checkpoints: CheckpointManager,
-    context: TrainContext,
-    parts: _Parts,
-    manager: PluginManager,
-) -> str:
-    """After a plugin's training hook failed: checkpoint the last completed step unless it is
-    saved already or the failure was in saving or loading plugin state (then the checkpoint
-    that exists is the one to trust); say where the run stopped and what is intact. Across
-    ranks no checkpoint is attempted: the other ranks are not in step with this one."""
-    step, note = context.step, ""
-    try:
-        saved = {int(path.name[5:]) for path in checkpoints.complete()}
-    except OSError:  # the run directory cannot be read: do not write into it either
-        saved = {step}
-    wanted = failure.hook not in ("forge_lm_save_state", "forge_lm_load_state")
-    if wanted and step > 0 and step not in saved and not parts.dims.distributed:
-        try:
-            save_run(checkpoints, context, parts.train_batches, manager)
-            checkpoints.wait()
-            return f"Training stopped at step {step} after saving a checkpoint of that step, which is intact"
-        except Exception as exc:  # noqa: BLE001 - the plugin's failure stays the error reported
-            cause = exc.headline if isinstance(exc, PluginHookFailed) else describe(exc)
-            note = f"; saving a checkpoint of that step failed too ({cause})"
-    try:
-        newest = checkpoints.latest()
-    except OSError:
-        newest = None
-    intact = f"the newest checkpoint ({newest.name}) is intact" if newest else "no checkpoint was written yet"
-    return f"Training stopped at step {step}{note}; {intact}"
-
-
-def _warn_about_unused_plugins(manager: PluginManager) -> None:
-    """One line per installed plugin this run goes without because it is broken or incompatible."""
-    for plugin in manager.plugins:
-        if plugin.status in (PluginStatus.BROKEN, PluginStatus.INCOMPATIBLE):
-            _warn(f"{plugin.label} is {plugin.status} and not used by this run: {plugin.reason}")
 
 
 def _divides(interval: int, step: int) -> bool:

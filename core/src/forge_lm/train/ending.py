@@ -1,0 +1,94 @@
+"""How a run ends: the calls every run makes on its way out, and the stop after a plugin failed.
+
+:func:`end_run` runs from the loop's ``finally``: ``train_end``, the metrics backends' finish
+and the checkpoint writer's close, none of which may replace the exception that ended the run.
+:func:`stop_for_plugin` decides, after a plugin's training hook raised, whether the last step
+is checkpointed first, and says what is intact (the policy is in :mod:`forge_lm.hookspecs`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from forge_lm.checkpoint import CheckpointManager
+from forge_lm.data.loader import BatchLoader
+from forge_lm.distributed import ParallelDims
+from forge_lm.plugins import PluginManager, PluginStatus
+from forge_lm.plugins._calls import PluginHookFailed, describe
+from forge_lm.train.run_state import save_run
+
+
+def end_run(
+    manager: PluginManager,
+    context: Any,
+    status: str,
+    started: bool,
+    backends: list[Any],
+    checkpoints: CheckpointManager,
+    summary: dict[str, float],
+) -> None:
+    """train_end, the backends' finish and the checkpoint writer's close. A failure in any of
+    them is a warning: the run's outcome (and its exception, if any) stands. Only Ctrl-C
+    during train_end after a completed run still interrupts."""
+    interrupted: KeyboardInterrupt | None = None
+    if started:
+        try:
+            manager.call_quietly("forge_lm_train_end", context=context, status=status)
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    for backend in backends:  # guarded: a failure is a warning
+        backend.finish(summary)
+    try:
+        checkpoints.close()
+    except Exception as exc:
+        if status == "completed":
+            raise
+        _warn(f"the checkpoint being written in the background did not finish: {describe(exc)}")
+    if interrupted is not None and status == "completed":
+        raise interrupted
+
+
+def stop_for_plugin(
+    failure: PluginHookFailed,
+    checkpoints: CheckpointManager,
+    context: Any,
+    train_batches: BatchLoader,
+    dims: ParallelDims,
+    manager: PluginManager,
+) -> str:
+    """After a plugin's training hook failed: checkpoint the last completed step unless it is
+    saved already or the failure was in saving or loading plugin state (then the checkpoint
+    that exists is the one to trust); say where the run stopped and what is intact. Across
+    ranks no checkpoint is attempted: the other ranks are not in step with this one."""
+    step, note = context.step, ""
+    try:
+        saved = {int(path.name[5:]) for path in checkpoints.complete()}
+    except OSError:  # the run directory cannot be read: do not write into it either
+        saved = {step}
+    wanted = failure.hook not in ("forge_lm_save_state", "forge_lm_load_state")
+    if wanted and step > 0 and step not in saved and not dims.distributed:
+        try:
+            save_run(checkpoints, context, train_batches, manager)
+            checkpoints.wait()
+            return f"Training stopped at step {step} after saving a checkpoint of that step, which is intact"
+        except Exception as exc:  # noqa: BLE001 - the plugin's failure stays the error reported
+            cause = exc.headline if isinstance(exc, PluginHookFailed) else describe(exc)
+            note = f"; saving a checkpoint of that step failed too ({cause})"
+    try:
+        newest = checkpoints.latest()
+    except OSError:
+        newest = None
+    intact = f"the newest checkpoint ({newest.name}) is intact" if newest else "no checkpoint was written yet"
+    return f"Training stopped at step {step}{note}; {intact}"
+
+
+def warn_about_unused_plugins(manager: PluginManager) -> None:
+    """One line per installed plugin this run goes without because it is broken or incompatible."""
+    for plugin in manager.plugins:
+        if plugin.status in (PluginStatus.BROKEN, PluginStatus.INCOMPATIBLE):
+            _warn(f"{plugin.label} is {plugin.status} and not used by this run: {plugin.reason}")
+
+
+def _warn(message: str) -> None:
+    print(f"forge: warning: {message}", file=sys.stderr, flush=True)
