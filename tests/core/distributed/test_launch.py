@@ -47,3 +47,20 @@ def test_backend_follows_the_device() -> None:
 def test_cpu_ranks_keep_the_cpu() -> None:
     launch = Launch(rank=1, world_size=2, local_rank=1, launcher="torchrun")
     assert rank_device(torch.device("cpu"), launch) == torch.device("cpu")
+
+
+def _slurm_task(local_rank: int) -> Launch:
+    return Launch(rank=local_rank, world_size=8, local_rank=local_rank, launcher="slurm")
+
+
+def test_a_task_that_sees_one_gpu_uses_it_whatever_its_local_rank(monkeypatch) -> None:
+    """srun --gpus-per-task=1: task 3 of a node sees one GPU, its own, as cuda:0."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert rank_device(torch.device("cuda"), _slurm_task(3)) == torch.device("cuda", 0)
+
+
+def test_with_every_gpu_visible_local_rank_picks_its_own(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert rank_device(torch.device("cuda"), _slurm_task(3)) == torch.device("cuda", 3)
+    with pytest.raises(ConfigError, match=r"local rank 5 has no GPU: this process sees 4; .*--gpus-per-task=1"):
+        rank_device(torch.device("cuda"), _slurm_task(5))

@@ -10,7 +10,7 @@ import torch
 
 from forge_lm.errors import ConfigError
 from forge_lm.metrics import mfu as mfu_module
-from forge_lm.metrics.mfu import cache_path, cpu_cache_key, measure_cpu_flops, mfu, peak_flops
+from forge_lm.metrics.mfu import cache_path, cpu_cache_key, measure_cpu_flops, mfu, peak_flops, world_peak_flops
 
 
 @pytest.fixture
@@ -87,6 +87,36 @@ def test_an_unknown_gpu_asks_for_metrics_peak_flops(monkeypatch, device_name):
 
     with pytest.raises(ConfigError, match=rf"GPU '{device_name}' is not in .* set \[metrics\] peak_flops"):
         peak_flops("cuda", torch.bfloat16)
+
+
+@pytest.mark.parametrize("device_name", ["NVIDIA GB200", "NVIDIA H800", "AMD Instinct MI300X", "NVIDIA A10G", "Tesla V100"])
+def test_a_device_without_a_known_peak_warns_once_and_logs_no_mfu(monkeypatch, capsys, device_name):
+    dtype = torch.bfloat16  # V100 is in the table, without a bf16 peak
+    gpu_named(monkeypatch, device_name)
+    assert world_peak_flops("cuda", dtype, None, world_size=8) is None
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert warning.startswith("forge: warning: MFU will not be logged: ")
+    assert "set [metrics] peak_flops" in warning
+    assert world_peak_flops("cuda", dtype, 1e15, world_size=8) == 8e15  # the configured peak still sets it
+
+
+def test_an_unknown_gpu_trains_and_logs_everything_but_mfu(monkeypatch, manager, tmp_path):
+    """The run itself, its peak looked up for a GPU the table lacks: the lookup no longer stops it."""
+    import forge_lm.train.loop as loop
+    from forge_lm.config import load_config
+    from forge_lm.metrics.jsonl import read_metrics
+    from forge_lm.train import train
+
+    monkeypatch.setattr(loop, "world_peak_flops", lambda *args: world_peak_flops("cuda", torch.bfloat16, None, 1))
+    gpu_named(monkeypatch, "NVIDIA B300")
+    tiny = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=4", "--model.max_seq_len=32"]
+    tiny += ["--train.batch_size=2", "--train.seq_len=16", "--train.max_steps=2", "--data.name=synthetic"]
+    tiny += ['--metrics.backends=["jsonl"]', "--metrics.log_interval=1", "--eval.interval=0"]
+    config = load_config(None, [*tiny, f"--train.output_dir={tmp_path / 'run'}"], manager.registry)
+    train(config, manager)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all("loss" in r and "tokens_per_sec" in r and "mfu" not in r for r in records)
 
 
 def test_no_autocast_dtype_means_the_fp32_peak(monkeypatch):

@@ -362,11 +362,12 @@ def _remove(path: Path) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every random generator the run uses, as plain data."""
+    """Every random generator the run uses, as plain data: Python's, the CPU's and this rank's
+    own GPU's (only that one: a run may resume where another number of GPUs is visible)."""
     version, internal, gauss = random.getstate()
     state = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        state["cuda_device"] = torch.cuda.get_rng_state(torch.cuda.current_device()).tolist()
     return state
 
 
@@ -374,8 +375,9 @@ def restore_rng(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    if "cuda_device" in state and torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        torch.cuda.set_rng_state(torch.tensor(state["cuda_device"], dtype=torch.uint8), device)
 
 
 def _write_atomically(path: Path, text: str) -> None:

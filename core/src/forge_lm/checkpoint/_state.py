@@ -78,6 +78,9 @@ def _check_rng(rng: dict[str, Any]) -> None:
     )
     _require(gauss is None or (isinstance(gauss, float) and math.isfinite(gauss)), "rng.python gauss is malformed")
     _require(_is_bytes(rng.get("torch"), len(torch.get_rng_state())), "rng.torch is malformed")
+    if "cuda_device" in rng:
+        _require(_is_bytes(rng["cuda_device"]), "rng.cuda_device is malformed")
+    # "cuda" (every visible GPU's state) was written by earlier versions; it is not restored.
     if "cuda" in rng:
         _require(isinstance(rng["cuda"], list) and all(_is_bytes(s) for s in rng["cuda"]), "rng.cuda is malformed")
 

@@ -76,19 +76,25 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
 
 
 def rank_device(device: torch.device, launch: Launch) -> torch.device:
-    """The device of this rank: on CUDA, the GPU of its local rank (one GPU per process)."""
+    """The device of this rank: on CUDA, the GPU of its local rank (one GPU per process).
+
+    A process that sees exactly one GPU uses it, whatever its local rank: that is how SLURM's
+    ``--gpus-per-task=1`` (and CUDA_VISIBLE_DEVICES set per task) hands each task its GPU, as
+    ``cuda:0`` of the task. With several visible GPUs, local rank ``i`` takes ``cuda:i``."""
     if device.type == "cuda" and launch.distributed:
-        if device.index is not None and device.index != launch.local_rank:
+        visible = torch.cuda.device_count()
+        index = 0 if visible == 1 else launch.local_rank
+        if device.index is not None and device.index != index:
             raise ConfigError(
                 f"[train] device: '{device}' names one GPU, but a distributed run uses the GPU of each "
                 "rank's LOCAL_RANK; set device = 'cuda' or 'auto'."
             )
-        if launch.local_rank >= torch.cuda.device_count():
+        if index >= visible:
             raise ConfigError(
-                f"local rank {launch.local_rank} has no GPU: this node has {torch.cuda.device_count()}; "
-                "launch at most that many processes per node (--nproc_per_node)."
+                f"local rank {launch.local_rank} has no GPU: this process sees {visible}; launch at most that "
+                "many processes per node (--nproc_per_node), or give each task its own GPU (--gpus-per-task=1)."
             )
-        return torch.device("cuda", launch.local_rank)
+        return torch.device("cuda", index)
     return device
 
 

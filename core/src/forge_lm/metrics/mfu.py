@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -91,6 +92,23 @@ def peak_flops(device: torch.device | str, dtype: torch.dtype | None, configured
     if device.type == "cpu":
         return cpu_peak_flops(dtype)
     raise ConfigError(f"[metrics] peak_flops: no known peak for device type '{device.type}'; {_SET_PEAK}.")
+
+
+def world_peak_flops(
+    device: torch.device | str, dtype: torch.dtype | None, configured: float | None, world_size: int
+) -> float | None:
+    """The peak of ``world_size`` such devices, or None when Forge knows no peak for this one
+    (a GPU missing from the table, a dtype it lists no peak for): then one warning says how to
+    set ``metrics.peak_flops`` and MFU is not logged. MFU is a report; it never stops a run."""
+    try:
+        return peak_flops(device, dtype, configured) * world_size
+    except ConfigError as unknown:
+        print(
+            f"forge: warning: MFU will not be logged: {str(unknown).removeprefix('[metrics] peak_flops: ')}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
 
 
 def gpu_peak_flops(device_name: str, dtype_name: str) -> float:
