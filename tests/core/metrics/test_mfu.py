@@ -89,7 +89,9 @@ def test_an_unknown_gpu_asks_for_metrics_peak_flops(monkeypatch, device_name):
         peak_flops("cuda", torch.bfloat16)
 
 
-@pytest.mark.parametrize("device_name", ["NVIDIA GB200", "NVIDIA H800", "AMD Instinct MI300X", "NVIDIA A10G", "Tesla V100"])
+@pytest.mark.parametrize(
+    "device_name", ["NVIDIA GB200", "NVIDIA H800", "AMD Instinct MI300X", "NVIDIA A10G", "Tesla V100"]
+)
 def test_a_device_without_a_known_peak_warns_once_and_logs_no_mfu(monkeypatch, capsys, device_name):
     dtype = torch.bfloat16  # V100 is in the table, without a bf16 peak
     gpu_named(monkeypatch, device_name)
