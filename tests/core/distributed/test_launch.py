@@ -64,3 +64,19 @@ def test_with_every_gpu_visible_local_rank_picks_its_own(monkeypatch) -> None:
     assert rank_device(torch.device("cuda"), _slurm_task(3)) == torch.device("cuda", 3)
     with pytest.raises(ConfigError, match=r"local rank 5 has no GPU: this process sees 4; .*--gpus-per-task=1"):
         rank_device(torch.device("cuda"), _slurm_task(5))
+
+
+def test_the_process_group_waits_as_long_as_distributed_timeout(monkeypatch) -> None:
+    import datetime
+
+    import forge_lm.distributed.launch as launch_module
+
+    joined = {}
+    monkeypatch.setattr(launch_module.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(launch_module.dist, "init_process_group", lambda **kwargs: joined.update(kwargs))
+    monkeypatch.setattr(launch_module, "_OWNED_GROUP", False)
+    launch_module.init_distributed(
+        Launch(rank=0, world_size=2, local_rank=0, launcher="torchrun"), torch.device("cpu"), 1800
+    )
+    assert joined["timeout"] == datetime.timedelta(seconds=1800)
+    assert joined["backend"] == "gloo"

@@ -207,6 +207,14 @@ class DistributedSection:
         validator=one_of("1f1b", "gpipe"),
         metadata=_doc("Pipeline schedule; its microbatches are [train] grad_accum_steps."),
     )
+    timeout: float = attrs.field(
+        default=600.0,
+        validator=positive,
+        metadata=_doc(
+            "Seconds a collective may wait for the other ranks before the run fails (the process group's "
+            "timeout); raise it when a step can be slower than this, e.g. a first compile or a long checkpoint."
+        ),
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.dp_shard != -1 and self.dp_shard < 1:

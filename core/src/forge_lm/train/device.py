@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import torch
 
 from forge_lm.errors import ConfigError
 
+# CUDA's caching allocator fragments under the varying shapes of training (MoE token counts,
+# FSDP's gathers); expandable segments let it grow blocks in place instead. Read once, when CUDA
+# first allocates: it must be set before, and a user's own setting is kept.
+ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOCATOR_DEFAULT = "expandable_segments:True"
+
+
+def use_expandable_segments() -> None:
+    """Forge's allocator setting for a CUDA run, unless the environment has one."""
+    os.environ.setdefault(ALLOCATOR_VARIABLE, ALLOCATOR_DEFAULT)
+
 
 def resolve_device(setting: str) -> torch.device:
     """``auto`` is CUDA when available, else CPU; an explicit device must exist."""
     if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(setting)
     except RuntimeError:
@@ -20,6 +32,7 @@ def resolve_device(setting: str) -> torch.device:
             f"[train] device: '{setting}' is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'."
         ) from None
     if device.type == "cuda":
+        use_expandable_segments()
         if not torch.cuda.is_available():
             raise ConfigError(f"[train] device: '{setting}' asked for, but CUDA is not available; use 'cpu' or 'auto'.")
         if device.index is not None and device.index >= torch.cuda.device_count():
