@@ -87,7 +87,12 @@ class _SignalNote:
 
     @property
     def signal_name(self) -> str:
-        return signal.Signals(self.received).name if self.received is not None else ""
+        """The signal this process received; a rank that learnt of it from another says so."""
+        return (
+            signal.Signals(self.received).name
+            if self.received is not None
+            else "SIGTERM or SIGUSR1 (sent to another rank)"
+        )
 
 
 class PreemptionWatcher(_SignalNote):
