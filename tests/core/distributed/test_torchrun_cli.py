@@ -154,7 +154,7 @@ def _srun_style_ranks(args: list[str], nproc: int = 2) -> list[subprocess.Popen]
 
 
 def test_srun_style_launch_without_torchrun(tmp_path: Path, reference) -> None:
-    """examples/slurm/requeue.sbatch starts the ranks with srun alone."""
+    """examples/slurm/multi_node.sbatch starts the ranks with srun alone."""
     run_dir = tmp_path / "run"
     ranks = _srun_style_ranks([*TINY, "--train.batch_size=2", "--train.max_steps=2", f"--train.output_dir={run_dir}"])
     outputs = [rank.communicate(timeout=300) for rank in ranks]
