@@ -26,9 +26,9 @@ from forge_lm.model.memory import (
     lower_bound,
     memory_limit,
     optimizer_states,
-    validation_report,
 )
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.train.preflight import validation_report
 
 BYTES = 257  # the byte tokenizer's vocabulary
 

@@ -366,7 +366,7 @@ def check_memory(
     no rank goes on to wait for the others. Returns the estimate (None with memory_check off)."""
     if not config.train.memory_check:
         return None
-    limit = memory_limit(device, processes_on_host=_processes_on_host(device))
+    limit = memory_limit(device, processes_on_host=processes_on_host(device))
     estimate = estimate_memory(config, vocab_size, registry, dims, autocast)
     too_big = limit is not None and estimate.total > limit.bytes
     if agree(too_big):
@@ -378,44 +378,7 @@ def check_memory(
     return estimate
 
 
-def validation_report(config: ForgeConfig, registry: Any) -> str:
-    """For ``forge config validate``: the estimate, and the device it was checked against, as
-    ``forge train`` would run the config here (``dp_shard = -1``: the ranks of this launch, one
-    outside ``torchrun``). Raises :class:`ConfigError` where ``forge train`` would refuse it."""
-    from forge_lm.distributed.launch import detect_launch
-    from forge_lm.distributed.mesh import ParallelDims
-    from forge_lm.train.components import build
-    from forge_lm.train.device import autocast_dtype, resolve_device
-
-    vocab_size = model_vocab_size(config, build(registry, "tokenizers", config.tokenizer))
-    section = config.distributed
-    dp_shard = section.dp_shard
-    if dp_shard == -1:
-        dp_shard = max(1, detect_launch().world_size // (section.dp_replicate * section.tp * section.pp))
-    dims = ParallelDims(section.dp_replicate, dp_shard, section.tp, section.pp, section.ep, section.pp_schedule)
-    # The rules tying the degrees to the model and the batch, as a launch would check them; with
-    # dp_shard = -1 the launch picks a dp_shard that ep divides.
-    attrs.evolve(dims, dp_shard=dp_shard * section.ep if section.dp_shard == -1 else dp_shard).check(config)
-    try:
-        device = resolve_device(config.train.device)
-    except ConfigError as exc:  # the config may be meant for another machine
-        meant = torch.device("cuda" if config.train.device.startswith("cuda") else "cpu")
-        estimate = estimate_memory(config, vocab_size, registry, dims, autocast_dtype(config.train.precision, meant))
-        return f"estimate: {estimate.describe()}; not checked against a device here: {exc}"
-    autocast = autocast_dtype(config.train.precision, device)
-    limit = memory_limit(device, processes_on_host=_processes_on_host(device))
-    estimate = estimate_memory(config, vocab_size, registry, dims, autocast)
-    if limit is None:
-        return f"estimate: {estimate.describe()}; the memory of {device} is unknown here."
-    if estimate.total > limit.bytes:
-        if config.train.memory_check:
-            raise ConfigError(refusal(estimate, limit))
-        limit_text = f"{format_bytes(limit.bytes)} {limit.source}"
-        return f"estimate: {estimate.describe()}; more than the {limit_text} ([train] memory_check = false)."
-    return f"estimate: {estimate.describe()}; {format_bytes(limit.bytes)} {limit.source}."
-
-
-def _processes_on_host(device: torch.device) -> int:
+def processes_on_host(device: torch.device) -> int:
     """Ranks sharing this host's memory: torchrun's local world on CPU; each GPU is its own."""
     if device.type != "cpu":
         return 1
