@@ -97,10 +97,46 @@ def test_bf16_autocast_keeps_fp32_master_weights(tiny_config, manager):
     assert {value.dtype for value in weights.values()} == {torch.float32}
 
 
+class _PlainSgdPlugin:
+    """SGD without momentum or decay: its update is ``-lr * gradient``, so it shows the clipped gradient."""
+
+    FORGE_LM_PLUGIN_API = ">=1,<2"
+
+    @hookimpl
+    def forge_lm_register_optimizers(self, register):
+        register("plain_sgd", lambda options, model: torch.optim.SGD(model.parameters(), lr=0.5), description="SGD")
+
+
 def test_gradient_clipping_bounds_the_update_and_logs_the_unclipped_norm(tiny_config, manager):
-    config = tiny_config("--train.grad_clip=1e-6", "--train.max_steps=2", "--optimizer.name=adamw")
-    records = read_metrics(train(config, manager).run_dir / "metrics.jsonl")
-    assert records[0]["grad_norm"] > 1e-6  # the norm before clipping is what is logged
+    from forge_lm.data.loader import BatchLoader
+    from forge_lm.model import build_model
+    from forge_lm.train.components import build_dataset
+
+    lr, max_norm = 0.5, 0.05
+    manager.add_plugin(_PlainSgdPlugin(), "plain_sgd")
+    config = tiny_config(
+        f"--train.grad_clip={max_norm}", "--train.max_steps=1", "--optimizer.name=plain_sgd", "--scheduler.name=none"
+    )
+    # By hand: the initial model's gradient on the first batch, its norm, and the clipped SGD step.
+    torch.manual_seed(config.train.seed)
+    model = build_model(config.model, 257, manager.registry)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    batch = next(iter(BatchLoader(build_dataset(config, manager.registry, None, 257, "train"), 4)))
+    logits = model(batch["input_ids"], batch.get("document_ids"))
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+    assert norm > 10 * max_norm  # so the clip really acts
+
+    after = _parameters_after_one_step(config, manager)
+    record = read_metrics(Path(config.train.output_dir) / "metrics.jsonl")[0]
+    assert record["grad_norm"] == pytest.approx(norm, rel=1e-5)  # the norm before clipping is what is logged
+    scale = max_norm / (norm + 1e-6)  # torch's clip factor
+    updates = {name: after[name] - before[name] for name in grads}
+    for name, grad in grads.items():
+        torch.testing.assert_close(updates[name], -lr * scale * grad, rtol=1e-4, atol=1e-7, msg=name)
+    update_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(u) for u in updates.values()]))
+    assert update_norm.item() == pytest.approx(lr * max_norm, rel=1e-4)  # the step is bounded by lr * grad_clip
 
 
 class _AuxFeedForward(torch.nn.Module):

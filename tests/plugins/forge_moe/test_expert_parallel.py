@@ -138,8 +138,14 @@ def test_ep_without_moe_layers_is_a_config_error(moe_manager):
         moe_manager.configure(config)
 
 
-def test_ep_that_divides_n_experts_passes(moe_manager):
-    moe_manager.configure(_config(moe_manager, "--model.ffn.name=moe", "--model.ffn.n_experts=8", "--distributed.ep=4"))
+@pytest.mark.parametrize("ep", range(1, 9))
+def test_ep_passes_exactly_when_it_divides_n_experts(moe_manager, ep):
+    config = _config(moe_manager, "--model.ffn.name=moe", "--model.ffn.n_experts=8", f"--distributed.ep={ep}")
+    if 8 % ep == 0:
+        moe_manager.configure(config)  # no ConfigError; ep = 3, 5, 6, 7 show the same call refuses
+    else:
+        with pytest.raises(ConfigError, match=rf"n_experts = 8 cannot be split evenly over \[distributed\] ep = {ep}"):
+            moe_manager.configure(config)
 
 
 def test_transforms_sit_in_the_expert_parallel_slot_before_fsdp2(moe_manager):

@@ -34,12 +34,17 @@ def run(args, overrides, plugins) -> int:
         raise UsageError("say what to do with the config: 'forge config show' or 'forge config validate'.")
     path = checked_config_file(args.config_file)
     manager = plugins()
-    config = load_config(path, overrides, manager.registry)
+    notes: list[str] = []  # options of a replaced component that a later layer dropped
+    config = load_config(path, overrides, manager.registry, notes)
     manager.configure(config)
+    for note in notes:
+        print(f"forge: note: {note}", file=sys.stderr)
     if args.config_command == "show":
+        # Also as TOML comments, so a config saved with `show > run.toml` still says what it lost.
+        sys.stdout.write("".join(f"# {note}\n" for note in notes) + ("\n" if notes else ""))
         sys.stdout.write(to_toml(config))
     else:
-        from forge_lm.model.memory import validation_report
+        from forge_lm.train.preflight import validation_report
 
         report = validation_report(config, manager.registry)  # refuses a run that cannot fit in memory here
         print(f"{path or 'the default config'} is valid.")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import tomli_w
 
 from forge_lm.config._converter import CliValue, converter, describe
 from forge_lm.config._schema import ARRAY, CATEGORY, MANY, ComponentConfig, ForgeConfig, check_cross_section
@@ -77,11 +78,42 @@ def load_config(
     path: str | Path | None,
     overrides: Sequence[str],
     registry: Registry,
+    notes: list[str] | None = None,
 ) -> ForgeConfig:
-    """The resolved run config. Raises :class:`ConfigError` (or :class:`UsageError`)."""
+    """The resolved run config. Raises :class:`ConfigError` (or :class:`UsageError`).
+
+    When the overrides select another component than the file did, the file's options that
+    the new component does not take are dropped (see :func:`merge_layers`); ``notes``, if
+    given, receives one line for each.
+    """
     raw = read_toml(path) if path is not None else {}
-    layered = merge(raw, parse_overrides(overrides))
+    layered = merge_layers(raw, parse_overrides(overrides), registry, notes, f"in {path}", "on the command line")
     return structure_config(layered, registry)
+
+
+def merge_layers(
+    base: Mapping[str, Any],
+    top: Mapping[str, Any],
+    registry: Registry,
+    notes: list[str] | None = None,
+    base_name: str = "in an earlier layer",
+    top_name: str = "in a later layer",
+) -> dict[str, Any]:
+    """``top`` merged over ``base`` (:func:`merge`), for layers of a :class:`ForgeConfig`.
+
+    A layer that changes a component's ``name`` replaces the component: options that an
+    earlier layer set for the old one and the new one does not take are dropped, not errors
+    (``--scheduler.name=constant`` over a file's cosine ``min_lr_ratio``). Options given in
+    the same layer as the new name are still checked strictly, as are earlier ones when the
+    name stays. ``notes`` gets a line for each drop; ``base_name`` and ``top_name`` say where
+    the layers come from ("in run.toml").
+    """
+    dropped: list[tuple[str, str]] = []
+    pruned = _Pruner(registry, dropped).section(ForgeConfig, base, top, "")
+    if notes is not None:
+        for what, why in dropped:
+            notes.append(f"{what}, set {base_name}, is dropped: {why} {top_name}.")
+    return merge(pruned, top)
 
 
 def structure_config(data: Mapping[str, Any], registry: Registry) -> ForgeConfig:
@@ -244,6 +276,73 @@ class _Walker:
                     f"{key_where} does not select; add it to {key_where} or remove the table."
                 )
         return selected
+
+
+class _Pruner:
+    """Walks an earlier layer beside a later one, dropping what the later one's component changes orphan."""
+
+    def __init__(self, registry: Registry, dropped: list[tuple[str, str]]) -> None:
+        self.registry = registry
+        self.dropped = dropped  # (what was dropped, why), for the notes
+
+    def section(self, cls: type, base: Any, top: Any, where: str) -> Any:
+        """``base`` (a table of ``cls``) less what ``top`` orphans; anything malformed is left for the walker."""
+        if not isinstance(base, Mapping) or not isinstance(top, Mapping):
+            return base
+        out = dict(base)
+        for field in attrs.fields(attrs.resolve_types(cls)):
+            key = field.name
+            if field.metadata.get(MANY) or field.metadata.get(ARRAY) or key not in out or key not in top:
+                # An array replaces the earlier one whole (merge). A list that stops selecting a
+                # component whose options table an earlier layer set stays an error, naming the table.
+                continue
+            if field.metadata.get(CATEGORY):
+                out[key] = self._component(field, out[key], top[key], _join(where, key))
+            elif attrs.has(field.type):
+                out[key] = self.section(field.type, out[key], top[key], _join(where, key))
+        return out
+
+    def _find(self, category: str, name: Any) -> Any:
+        """The registered component, or None: an unknown name is the walker's to report."""
+        if not isinstance(name, str):
+            return None
+        try:
+            return self.registry.resolve(category, name)
+        except ForgeError:
+            return None
+
+    def _component(self, field: Any, base: Any, top: Any, where: str) -> Any:
+        if not isinstance(base, Mapping) or not isinstance(top, Mapping):
+            return base
+        category = field.metadata[CATEGORY]
+        default = field.default.factory().name if isinstance(field.default, attrs.Factory) else None
+        old_name = base.get("name", default)
+        new_name = top.get("name", old_name)
+        old, new = self._find(category, old_name), self._find(category, new_name)
+        if new is None or not attrs.has(new.options_class):
+            return base
+        out = dict(base)
+        # Only a change of component orphans options; with the same one, a wrong key is a mistake.
+        if old is not new:  # the registry's one entry per component: ``cosine`` is ``forge_lm:cosine``
+            accepted = {f.name for f in attrs.fields(new.options_class)}
+            for key in [k for k in out if k != "name" and k not in top and k not in accepted]:
+                value = out.pop(key)
+                what = (
+                    f"[{_join(where, key)}]"
+                    if isinstance(value, Mapping)
+                    else f"{_name(where, key)} = {_toml_value(value)}"
+                )
+                self.dropped.append((what, f"{singular(category)} '{new_name}', which does not take it, is selected"))
+        # The selected component's own options may select components too ([model.ffn.router]).
+        return self.section(new.options_class, out, top, where)
+
+
+def _toml_value(value: Any) -> str:
+    """``value`` as TOML writes it (``0.1``, ``true``, ``"text"``), for the notes."""
+    try:
+        return tomli_w.dumps({"v": value}).removeprefix("v = ").strip()
+    except Exception:  # noqa: BLE001 - only a note; a value TOML cannot write is shown as Python does
+        return repr(value)
 
 
 def _accepts_table(tp: Any) -> bool:

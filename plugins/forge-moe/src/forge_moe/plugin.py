@@ -121,7 +121,36 @@ def forge_lm_configure(config):
             f"[model.ffn] first_moe_layer: {ffn.options.first_moe_layer} leaves no MoE layer in a model of "
             f'{config.model.n_layers} layers; lower it, or use name = "swiglu" for a dense model.'
         )
+    check_router(config)
     check_expert_parallel(config)
+
+
+def check_router(config: Any) -> None:
+    """Refuses the router settings that leave the router's weight matrix nothing to learn from.
+
+    With ``top_k = 1`` a weight normalised over the chosen experts is ``w / w = 1`` for every
+    token: the layer's output carries no gradient to the router, so only a router loss can
+    train it (a z-loss only pulls the logits towards 0, so it does not count).
+    """
+    ffn = config.model.ffn
+    if not isinstance(ffn.options, MoEOptions) or ffn.options.top_k != 1:
+        return
+    router = ffn.options.router
+    if isinstance(router.options, SoftmaxTopKOptions) and router.options.renormalize:
+        raise ConfigError(
+            "[model.ffn.router] renormalize = true with [model.ffn] top_k = 1: each token's one combine "
+            "weight is then p / p = 1, so the router gets no gradient from the layer's output (only from "
+            "its balance loss); set renormalize = false (the weight is the chosen expert's softmax "
+            "probability, as in Switch Transformer), or top_k >= 2."
+        )
+    if isinstance(router.options, SigmoidTopKOptions) and router.options.sequence_balance_loss_weight == 0:
+        raise ConfigError(
+            "[model.ffn.router] sequence_balance_loss_weight = 0 with [model.ffn] top_k = 1 and the "
+            "sigmoid_topk router: each token's one normalised weight is then s / s = 1, so the router's "
+            "weight matrix gets no gradient from the layer's output and, without the sequence balance loss, "
+            "learns nothing (the bias alone moves); set sequence_balance_loss_weight > 0 (e.g. 1e-4), or "
+            "top_k >= 2."
+        )
 
 
 def check_expert_parallel(config: Any) -> None:

@@ -1,0 +1,23 @@
+"""docs/distributed.md's table of the ``[distributed]`` section says what the config has."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import attrs
+
+from forge_lm.config import DistributedSection
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "distributed.md"
+
+
+def test_the_section_table_lists_every_key_with_its_default():
+    text = DOC.read_text(encoding="utf-8")
+    table = text[text.index("## The `[distributed]` section") :].split("\n\n")[1]
+    rows = dict(re.findall(r"^\| `(\w+)` \| `?([^|`]+?)`? \|", table, re.MULTILINE))
+    fields = {f.name: f.default for f in attrs.fields(DistributedSection)}
+    assert sorted(rows) == sorted(fields)
+    for key, default in fields.items():
+        written = rows[key]
+        assert (float(written) == default) if isinstance(default, int | float) else (written == default), key
