@@ -36,7 +36,8 @@ Every message names the plugin, its distribution and version, and the hook:
 process ends); ``KeyboardInterrupt`` is taken for the user's Ctrl-C (exit 130).
 
 - A training hook (:func:`forge_lm_train_start`, :func:`forge_lm_step_end`,
-  :func:`forge_lm_eval_end`, :func:`forge_lm_save_state`, :func:`forge_lm_load_state`) that
+  :func:`forge_lm_step_skipped`, :func:`forge_lm_eval_end`, :func:`forge_lm_save_state`,
+  :func:`forge_lm_load_state`) that
   raises stops the run with exit code 4. First the step (or evaluation) that finished is
   logged and, unless it is saved already, checkpointed; after a failure in ``save_state``
   or ``load_state`` nothing is saved and the newest checkpoint is the one to resume from.
@@ -109,7 +110,11 @@ def forge_lm_register_losses(register: Any) -> None:
 
     ``loss_fn(logits, labels) -> scalar tensor``: logits ``[batch, seq, vocab]``, labels
     ``[batch, seq]`` where :data:`forge_lm.components.IGNORE_INDEX` marks positions that
-    carry no loss. The value is a mean over the positions that are not ignored.
+    carry no loss. The value is a mean over the positions that are not ignored, and it is the
+    objective that is backpropagated. A loss that adds a regularizer to it (a z-loss) reports
+    each weighted term with :func:`forge_lm.losses.aux.report_loss_term`: the core logs the
+    value minus those terms as ``loss`` and ``eval/loss`` (the perplexity is ``exp`` of it),
+    and each term under its own name.
     """
 
 
@@ -234,6 +239,21 @@ def forge_lm_train_start(context: Any) -> None:
 @hookspec
 def forge_lm_step_end(context: Any, step: int, metrics: dict[str, float]) -> dict[str, float] | None:
     """An optimizer step finished. Return extra metrics to log with it, or None."""
+
+
+@hookspec
+def forge_lm_step_skipped(context: Any, step: int) -> None:
+    """An optimizer step was abandoned: its loss or gradient was not finite, and
+    ``[resilience] nan_policy`` (``"skip"`` or ``"rollback"``) goes on without it.
+
+    ``step`` is the number of optimizer steps taken before the abandoned one. The forward and
+    backward passes of the bad batch ran, but there is no :func:`forge_lm_step_end` for it:
+    anything a component accumulated during them for use at the next step end (a router's
+    load counts, a running statistic) must be discarded here, so that the next step sees
+    only the batches that are trained on. Called before a rollback restores the checkpoint,
+    so a non-persistent buffer is cleared here, not by the restore. Not called when the
+    policy stops the run.
+    """
 
 
 @hookspec

@@ -131,8 +131,8 @@ def test_chunked_logs_the_same_z_loss_as_cross_entropy(build_loss, problem):
     with collect_aux() as chunked:
         build_loss("chunked_cross_entropy", chunk_size=5, z_loss_weight=1e-2)(logits, labels)
 
-    assert chunked.metrics.keys() == {"loss/z"}
-    assert chunked.metrics["loss/z"] == pytest.approx(plain.metrics["loss/z"], rel=1e-12)
+    assert chunked.loss_terms.keys() == {"z_loss"}
+    assert chunked.loss_terms["z_loss"].item() == pytest.approx(plain.loss_terms["z_loss"].item(), rel=1e-12)
 
 
 def test_chunked_evaluates_without_autograd(build_loss, problem, expected):

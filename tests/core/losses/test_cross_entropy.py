@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from forge_lm.components import IGNORE_INDEX
 from forge_lm.losses.aux import collect_aux
 
 WEIGHTS = [0.0, 1e-2, 0.5]
@@ -42,14 +43,19 @@ def test_bf16_logits_give_an_fp32_loss_of_their_upcast_values(build_loss, proble
     torch.testing.assert_close(loss.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
 
 
-def test_the_unweighted_z_loss_is_logged_as_loss_z(build_loss, problem, expected):
+def test_the_weighted_z_loss_is_reported_as_a_term_of_the_returned_loss(build_loss, problem, expected):
     logits, labels = problem(torch.float64)
     with collect_aux() as collected:
-        build_loss("cross_entropy", z_loss_weight=1e-2)(logits, labels)
+        loss = build_loss("cross_entropy", z_loss_weight=1e-2)(logits, labels)
 
-    assert collected.metrics.keys() == {"loss/z"}
-    assert collected.metrics["loss/z"] == pytest.approx(expected(logits, labels, 0.0)["z"], rel=1e-12)
+    assert collected.loss_terms.keys() == {"z_loss"}
+    z_term = collected.loss_terms["z_loss"].item()
+    assert z_term == pytest.approx(1e-2 * expected(logits, labels, 0.0)["z"], rel=1e-12)
     assert not collected.losses  # the z-loss is part of the returned loss, not an extra aux loss
+    # What is logged as the loss: the cross-entropy alone, as torch computes it.
+    reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    assert collected.data_loss(loss).item() == pytest.approx(reference.item(), rel=1e-12)
+    assert collected.logged() == {"z_loss": pytest.approx(z_term, rel=1e-15)}
 
 
 def test_without_z_loss_nothing_is_logged(build_loss, problem):
@@ -58,6 +64,7 @@ def test_without_z_loss_nothing_is_logged(build_loss, problem):
         build_loss("cross_entropy")(logits, labels)
 
     assert collected.metrics == {}
+    assert collected.loss_terms == {}
 
 
 def test_z_loss_is_off_by_default(build_loss, problem, expected):

@@ -181,6 +181,7 @@ class PipelineRunner:
         self.dtype = dtype
         self.module = keep_stage(model, self.stage_index, self.num_stages)
         self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._data_losses: list[torch.Tensor] = []  # this step's losses without reported terms, / n
         self._schedules: dict[tuple[bool, tuple[int, ...]], Any] = {}
 
     @property
@@ -215,6 +216,7 @@ class PipelineRunner:
             if _present(micro_batches, key)
         }
         schedule = self._schedule(train=True, shape=shape)
+        self._data_losses.clear()
         losses: list[torch.Tensor] = []
         args, kwargs = self._step_arguments(joined)
         with collect_aux() as aux:
@@ -227,7 +229,11 @@ class PipelineRunner:
             )
         if not self.is_last:
             return 0.0
-        return torch.stack([loss.detach().float() for loss in losses]).sum().item()  # sum of loss / n: the mean
+        # The logged loss is the data's, without the regularisers the loss function reported
+        # (its z-loss), as in the single-process step: each call of the loss recorded its own.
+        # The microbatches' calls are the last ones (a new schedule may call it once before, to
+        # infer shapes).
+        return torch.stack(self._data_losses[-len(losses) :]).sum().item()  # sum of loss / n: the mean
 
     def eval_loss(self, batch: dict[str, torch.Tensor]) -> float:
         schedule = self._schedule(train=False, shape=tuple(batch["input_ids"].shape))
@@ -274,8 +280,9 @@ class PipelineRunner:
         loss_fn = self._loss_fn
 
         def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            with self._autocast():
+            with self._autocast(), collect_aux() as terms:  # its own collector: the loss's terms only
                 value = loss_fn(logits, labels)
+            self._data_losses.append(terms.data_loss(value).float() / scale)
             return value / scale if scale != 1 else value
 
         return loss

@@ -1,11 +1,17 @@
 """The one way any module adds to the training loss or to the logged metrics.
 
-A module (an MoE router, a z-loss on some logits, a regulariser) calls
-:func:`report_aux_loss` during its forward pass with a value whose weight it has already
-applied; the training loop runs every forward inside :func:`collect_aux`, adds the total to
-the loss it backpropagates, and logs each named value. Modules call :func:`report_metric` for
-statistics that are logged but not differentiated. Outside a collector (inference, export)
-both calls do nothing, so modules need not know whether they are being trained.
+A module (an MoE router, a regulariser on some activations) calls :func:`report_aux_loss`
+during its forward pass with a value whose weight it has already applied; the training loop
+runs every forward inside :func:`collect_aux`, adds the total to the loss it backpropagates,
+and logs each named value. Modules call :func:`report_metric` for statistics that are logged
+but not differentiated. Outside a collector (inference, export) these calls do nothing, so
+modules need not know whether they are being trained.
+
+A loss function whose returned value already includes a regulariser (the z-loss of
+:mod:`forge_lm.losses.cross_entropy`) calls :func:`report_loss_term` with that weighted term.
+The loop backpropagates the returned value as it is, but logs ``loss`` (and ``eval/loss``,
+and the perplexity) as the value minus its terms, that is the data loss alone, and each term
+under its own name: a regulariser never inflates the numbers that are compared across runs.
 """
 
 from __future__ import annotations
@@ -24,14 +30,24 @@ class AuxCollector:
 
     losses: dict[str, torch.Tensor] = attrs.Factory(dict)
     metrics: dict[str, float] = attrs.Factory(dict)
+    # Weighted terms a loss function already added to the value it returned (see report_loss_term).
+    loss_terms: dict[str, torch.Tensor] = attrs.Factory(dict)
 
     def total(self) -> torch.Tensor | None:
         """The sum of every auxiliary loss, or None if nothing was reported."""
         return sum(self.losses.values()) if self.losses else None  # type: ignore[return-value]
 
+    def data_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` (the value a loss function returned) without the terms it reported, detached."""
+        loss = loss.detach()
+        for term in self.loss_terms.values():
+            loss = loss - term.detach()
+        return loss
+
     def logged(self) -> dict[str, float]:
-        """Every reported loss (detached) and metric, as plain floats."""
-        return {**{name: float(value.detach()) for name, value in self.losses.items()}, **self.metrics}
+        """Every reported loss and loss term (detached) and metric, as plain floats."""
+        tensors = {**self.losses, **self.loss_terms}
+        return {**{name: float(value.detach()) for name, value in tensors.items()}, **self.metrics}
 
 
 _ACTIVE: contextvars.ContextVar[AuxCollector | None] = contextvars.ContextVar("forge_lm_aux", default=None)
@@ -59,6 +75,16 @@ def report_aux_loss(name: str, value: torch.Tensor) -> None:
     if collector is not None:
         previous = collector.losses.get(name)
         collector.losses[name] = value if previous is None else previous + value
+
+
+def report_loss_term(name: str, value: torch.Tensor) -> None:
+    """Name a weighted regulariser that the calling loss function has already added to the value
+    it returns (its ``z_loss``, say): logged as ``name``, left out of the logged ``loss``, and not
+    added to the objective again."""
+    collector = _ACTIVE.get()
+    if collector is not None:
+        previous = collector.loss_terms.get(name)
+        collector.loss_terms[name] = value if previous is None else previous + value
 
 
 def report_metric(name: str, value: float | torch.Tensor) -> None:

@@ -3,7 +3,10 @@
 The z-loss (PaLM, Chowdhery et al. 2022) adds ``z_loss_weight * mean(logsumexp(logits)**2)``
 over the counted tokens. It pulls the softmax normaliser towards 1 (log 0), which keeps
 the logits from drifting to large magnitudes where bf16 loses precision, and it leaves the
-probabilities themselves unchanged. The unweighted mean is logged as ``loss/z``.
+probabilities themselves unchanged. The returned value, the objective that is
+backpropagated, includes the weighted z-loss; the weighted term is reported with
+:func:`forge_lm.losses.aux.report_loss_term` as ``z_loss``, so the logged ``loss``,
+``eval/loss`` and perplexity are the cross-entropy alone and the z-loss is logged apart.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from forge_lm.components import IGNORE_INDEX
-from forge_lm.losses.aux import report_metric
+from forge_lm.losses.aux import report_loss_term
 
 
 def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -37,12 +40,13 @@ def token_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor
 
 
 def combine(ce_sum: torch.Tensor, z_sum: torch.Tensor, count: torch.Tensor, z_loss_weight: float) -> torch.Tensor:
-    """The token mean of cross-entropy plus the weighted z-loss; logs the unweighted z-loss."""
+    """The token mean of cross-entropy plus the weighted z-loss; reports the weighted z-loss as
+    ``z_loss``, a term of the returned value (see :func:`forge_lm.losses.aux.report_loss_term`)."""
     if z_loss_weight == 0:
-        return ce_sum / count  # no z-loss, nothing to log (logging reads the value: a device sync)
-    z_mean = z_sum / count
-    report_metric("loss/z", z_mean)
-    return ce_sum / count + z_loss_weight * z_mean
+        return ce_sum / count  # no z-loss, no term to report
+    z_term = z_loss_weight * (z_sum / count)
+    report_loss_term("z_loss", z_term)
+    return ce_sum / count + z_term
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float = 0.0) -> torch.Tensor:

@@ -1,4 +1,9 @@
-"""Held-out evaluation: mean loss and perplexity over the same batches every time."""
+"""Held-out evaluation: mean loss and perplexity over the same batches every time.
+
+``eval/loss`` is the data loss (the cross-entropy): a term the loss function adds to its value
+and reports with :func:`forge_lm.losses.aux.report_loss_term` (its z-loss) is taken out of it,
+so that the perplexity is ``exp`` of the cross-entropy. The terms are logged in training.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Any
 import torch
 
 from forge_lm.data.loader import BatchLoader
+from forge_lm.losses.aux import collect_aux
 
 
 class Evaluator:
@@ -42,7 +48,11 @@ class Evaluator:
         losses = []
         for _ in range(self.steps):
             batch = {key: value.to(self.device) for key, value in next(batches).items()}
-            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
-                losses.append(loss_of(batch))
+            autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None)
+            with collect_aux() as aux, autocast:
+                value = loss_of(batch)
+            losses.append(value - sum(float(term) for term in aux.loss_terms.values()))
+        # One reduction, on every rank alike: under pipeline parallelism only the last stage
+        # computes the loss (and its terms), so a reduction per term would not match up.
         loss = reduce(sum(losses) / len(losses))
         return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0))}

@@ -2,8 +2,11 @@
 
 ``config.toml`` is the fully resolved config (``forge train <run>/config.toml`` reproduces the
 run); ``plugins.json`` is the plugin manifest, so a later reader knows which distributions and
-versions produced it. Training into a directory that already holds a run resumes it: the new
-config may change how the run goes on (steps, intervals, metrics) but not what it trains.
+versions produced it: one entry (name, distribution, version) per loaded plugin, then one per
+installed plugin that did not load because it is ``incompatible`` or ``broken``, with its
+``status`` and ``reason`` (those took no part in the run). Training into a directory that
+already holds a run resumes it: the new config may change how the run goes on (steps,
+intervals, metrics) but not what it trains.
 
 One run at a time: :class:`RunDirectory`, what ``forge train`` uses (on rank 0), locks the
 directory (``<run>/.lock``, :mod:`forge_lm.train.run_lock`) before it writes anything into it,
@@ -41,7 +44,7 @@ from typing import Any
 from forge_lm.checkpoint._io import CHECKPOINTS, LATEST
 from forge_lm.config import ForgeConfig, read_toml, structure_config, to_data, to_toml
 from forge_lm.errors import ConfigError, ForgeError
-from forge_lm.plugins import PluginManager
+from forge_lm.plugins import PluginManager, PluginStatus
 from forge_lm.train.run_lock import LOCK_FILE, RunLock
 
 CONFIG_FILE = "config.toml"
@@ -204,7 +207,7 @@ def _check_resume(run_dir: Path, config: ForgeConfig, manager: PluginManager) ->
         _warn(f"resuming '{run_dir}': {problem}; it is replaced by this run's plugins")
         _write(manifest_path, _manifest_text(manager))
         return
-    for difference in manifest_differences(stored_manifest, manager.manifest()):
+    for difference in manifest_differences(_loaded(stored_manifest), manager.manifest()):
         _warn(f"resuming '{run_dir}': {difference}")
 
 
@@ -305,8 +308,35 @@ def _write_run_files(run_dir: Path, config: ForgeConfig, manager: PluginManager)
     _write(run_dir / MANIFEST_FILE, _manifest_text(manager))
 
 
+# Plugins that are installed but did not load for a reason the user did not choose; recorded
+# so that a run's plugins.json tells why a plugin someone expected took no part in it.
+_RECORDED_UNLOADED = (PluginStatus.INCOMPATIBLE, PluginStatus.BROKEN)
+
+
+def manifest_record(manager: PluginManager) -> list[dict[str, str]]:
+    """What ``plugins.json`` holds: the loaded plugins (``manager.manifest()``), then each
+    incompatible or broken one with its ``status`` and ``reason``."""
+    unloaded = [
+        {
+            "name": p.name,
+            "distribution": p.distribution,
+            "version": p.version,
+            "status": str(p.status),
+            "reason": p.reason or "",
+        }
+        for p in sorted(manager.plugins, key=lambda p: p.name)
+        if p.status in _RECORDED_UNLOADED
+    ]
+    return [*manager.manifest(), *unloaded]
+
+
 def _manifest_text(manager: PluginManager) -> str:
-    return json.dumps(manager.manifest(), indent=2) + "\n"
+    return json.dumps(manifest_record(manager), indent=2) + "\n"
+
+
+def _loaded(manifest: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The entries of a stored ``plugins.json`` that took part in the run (older files have no status)."""
+    return [p for p in manifest if p.get("status", str(PluginStatus.OK)) == PluginStatus.OK]
 
 
 def _write(path: Path, text: str) -> None:

@@ -165,6 +165,14 @@ class MoELayer(nn.Module):
             dist.all_reduce(pending, group=self.load_group)
         hook()
 
+    @torch.no_grad()
+    def step_skipped(self) -> None:
+        """The router's ``step_skipped()``, if it has one: the abandoned step's per-step state is
+        dropped (no all-reduce: every rank skips the same step and drops its own counts)."""
+        hook = getattr(self.router, "step_skipped", None)
+        if callable(hook):
+            hook()
+
 
 # -- factory ------------------------------------------------------------------------------------
 
@@ -220,3 +228,10 @@ def after_optimizer_step(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.after_optimizer_step()
+
+
+def step_skipped(model: nn.Module) -> None:
+    """:meth:`MoELayer.step_skipped` of every MoE layer in ``model`` (its router's pending state dropped)."""
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.step_skipped()

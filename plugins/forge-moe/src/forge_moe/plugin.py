@@ -184,6 +184,15 @@ def forge_lm_step_end(context):
 
 
 @hookimpl
+def forge_lm_step_skipped(context):
+    # A skipped non-finite step has no step_end: without this, the bad batch's expert counts
+    # would stay in the routers' pending load and skew the next bias update.
+    layer = _built_moe_layers()
+    if layer is not None:
+        layer.step_skipped(context.model)
+
+
+@hookimpl
 def forge_lm_hf_export(model, config):
     layer = _built_moe_layers()
     if layer is None or not any(isinstance(m, layer.MoELayer) for m in model.modules()):

@@ -13,7 +13,10 @@ The router call contract, defined by this plugin (the core leaves it to the MoE 
 - Optional methods: ``init_weights(std)`` (called by the layer's ``init_weights``; otherwise
   every ``nn.Linear`` in the router is drawn from ``normal(0, std)``) and
   ``after_optimizer_step()`` (called by forge-moe's ``forge_lm_step_end`` hook after every
-  optimizer step, for no-gradient updates such as the sigmoid router's balancing bias).
+  optimizer step, for no-gradient updates such as the sigmoid router's balancing bias) and
+  ``step_skipped()`` (called by forge-moe's ``forge_lm_step_skipped`` hook when a step with a
+  non-finite loss or gradient is skipped or rolled back: discard what the forwards since the
+  last optimizer step accumulated, so the next update sees only the batches trained on).
 
 Both built-in routers compute their logits in float32 with autocast off: routing decisions
 are sensitive to rounding, and the router is a tiny part of the layer's cost.
@@ -127,7 +130,8 @@ class SigmoidTopKRouter(nn.Module):
     each forward adds its per-expert assignment counts to ``pending_load``;
     :meth:`after_optimizer_step` then moves the bias by ``bias_update_rate * sign(mean load - load)``
     (underloaded experts up, overloaded down) and clears the counts, so a step with gradient
-    accumulation updates once from all of its micro-batches.
+    accumulation updates once from all of its micro-batches. A skipped step
+    (:meth:`step_skipped`) clears the counts without an update.
     """
 
     def __init__(
@@ -181,6 +185,11 @@ class SigmoidTopKRouter(nn.Module):
         load = self.pending_load  # no tokens since the last step: every sign is 0, the bias stays
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
         load.zero_()
+
+    @torch.no_grad()
+    def step_skipped(self) -> None:
+        """The step these counts belong to was abandoned (a non-finite loss): drop them, bias unchanged."""
+        self.pending_load.zero_()
 
 
 # -- factories (options classes in forge_moe.plugin) --------------------------------------------

@@ -5,10 +5,15 @@ The rule, in order (the first that applies decides):
 1. ``adamw_params`` / ``muon_params``: parameters whose name (any name, for a shared tensor)
    matches one of these fnmatch patterns go to that side.
 2. ``embedding``: parameters of ``nn.Embedding`` modules, including an output head tied to one.
-3. ``output head``: the weight of the module ``get_output_embeddings()`` returns (Hugging
-   Face models) or else of the last ``nn.Linear`` (in registration order, as the head comes
-   last in every decoder) that projects onto the vocabulary: ``out_features`` equal to the
-   model's ``vocab_size`` attribute or, without one, to the size of an embedding table.
+3. ``output head``: the weight of the module the model says is its head: the Forge
+   :class:`~forge_lm.model.transformer.Transformer`'s ``output`` (None on a pipeline stage
+   without the head: then no parameter of the stage is the head, whatever its shape), or what
+   ``get_output_embeddings()`` returns (Hugging Face models, None meaning no head). Only a
+   model that says neither falls back to the last ``nn.Linear`` (in registration order, as
+   the head comes last in every decoder) that projects onto the vocabulary: ``out_features``
+   equal to the model's ``vocab_size`` attribute or, without one, to the size of an
+   embedding table. So on every Forge layout (whole model, any pipeline stage, sharded) a
+   parameter's role is the same.
 4. ``router``: parameters inside a router or gate module: one whose class name ends in
    ``Router``, ``Gate`` or ``Gating``, or that its parent holds as ``router`` or ``gate``
    (MoE routers score experts; orthogonalising their few rows does not suit them).
@@ -35,6 +40,7 @@ import torch
 from torch import nn
 
 from forge_lm.errors import ConfigError
+from forge_lm.model.transformer import Transformer
 
 MUON, ADAMW = "muon", "adamw"
 MUON_ROLES = ("hidden matrix", "stacked matrices")
@@ -144,11 +150,17 @@ def _roles(model: nn.Module) -> dict[int, str]:
 
 
 def _output_head(model: nn.Module) -> nn.Module | None:
+    """The module that is the model's head, by what the model declares (see rule 3)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the model it compiled
+    if isinstance(model, Transformer):
+        # The core model's head is its ``output``, None on a pipeline stage that does not hold it:
+        # a hidden matrix as wide as the vocabulary must not be taken for it there.
+        return model.output
     get_head = getattr(model, "get_output_embeddings", None)
     if callable(get_head):
         head = get_head()
-        if isinstance(head, nn.Module):
-            return head
+        return head if isinstance(head, nn.Module) else None
+    # A model that declares nothing: the shape heuristic, the last projection onto the vocabulary.
     vocab = getattr(model, "vocab_size", None)
     sizes = (
         {vocab}

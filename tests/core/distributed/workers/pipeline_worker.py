@@ -35,7 +35,7 @@ from forge_lm.distributed import (
 from forge_lm.distributed.grads import clip_grad_norm
 from forge_lm.distributed.pipeline import PipelineRunner
 from forge_lm.errors import ForgeError
-from forge_lm.losses.aux import report_aux_loss
+from forge_lm.losses.aux import collect_aux, report_aux_loss
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
 from forge_lm.train.components import build
@@ -50,6 +50,8 @@ CASES = [
     {"name": "1f1b-accum4-5layers-checkpointed", "schedule": "1f1b", "accum": 4, "documents": False, "layers": 5},
     # bf16 autocast, which the runner applies itself: compared with the reference under autocast.
     {"name": "gpipe-accum2-documents-bf16", "schedule": "gpipe", "accum": 2, "documents": True, "bf16": True},
+    # A z-loss: in the gradients, not in the returned (logged) loss.
+    {"name": "1f1b-accum2-z-loss", "schedule": "1f1b", "accum": 2, "documents": False, "z_loss": 0.05},
 ]
 
 
@@ -66,6 +68,7 @@ def overrides(case: dict) -> list[str]:
         "--distributed.pp=2",
         f"--distributed.pp_schedule={case['schedule']}",
         *(["--train.activation_checkpointing=full"] if "checkpointed" in case["name"] else []),
+        *([f"--loss.z_loss_weight={case['z_loss']}"] if "z_loss" in case else []),
     ]
 
 
@@ -91,10 +94,10 @@ def reference_step(
     """The single-process loop's step: mean over micro-batches, ``(loss / accum).backward()``."""
     total = 0.0
     for batch in micro_batches:
-        with autocast(dtype):
+        with autocast(dtype), collect_aux() as aux:
             loss = loss_fn(model(batch["input_ids"], batch.get("document_ids")), batch["labels"])
         (loss / len(micro_batches)).backward()
-        total += loss.item()
+        total += aux.data_loss(loss).item()  # the logged loss: without the z-loss term
     return total / len(micro_batches)
 
 
