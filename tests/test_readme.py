@@ -61,3 +61,98 @@ def test_readme_exit_codes_are_the_ones_forge_train_uses():
         FORCED_EXIT_CODE,
         INTERRUPTED_EXIT_CODE,
     }
+
+
+USING_FORGE = re.search(r"^## Using Forge\n.*?```bash\n(.*?)```", README.read_text(), flags=re.DOTALL | re.MULTILINE)
+USING_COMMANDS = [shlex.split(line, comments=True) for line in USING_FORGE.group(1).splitlines()]
+# Training commands as written, made short by overrides (which come last and win).
+SHORTER_TRAINING = [
+    "--train.max_steps=3",
+    "--eval.interval=0",
+    "--model.dim=32",
+    "--model.n_layers=1",
+    "--train.batch_size=2",
+    "--train.seq_len=32",
+]
+
+
+def test_readme_commands_start_by_activating_the_environment_make_creates():
+    assert USING_COMMANDS[0] == [".", ".venv/bin/activate"]
+    assert re.search(r"^VENV := \.venv$", (README.parent / "Makefile").read_text(), flags=re.MULTILINE)
+    assert all(command[0] == "forge" for command in USING_COMMANDS[1:])
+
+
+def test_readme_run_directories_are_the_ones_forge_and_make_demo_write():
+    from forge_lm.config import TrainSection
+
+    text = README.read_text()
+    assert USING_COMMANDS[1] == ["forge", "train"]  # the first command trains the run the next ones use
+    assert f"into {TrainSection().output_dir}" in USING_FORGE.group(1)
+    assert "--train.output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)" in (README.parent / "Makefile").read_text()
+    assert "`runs/demo-<date>-<time>`" in text
+
+
+@pytest.fixture(scope="module")
+def using_forge(tmp_path_factory):
+    """Every command of "Using Forge", in order, in-process in a fresh directory holding the
+    checkout's configs/ and docs/ (training made short); returns the directory and, per command,
+    (exit code, stdout, stderr)."""
+    import contextlib
+    import glob
+    import io
+    import os
+
+    from forge_lm.cli._main import main
+
+    work = tmp_path_factory.mktemp("checkout")
+    for name in ("configs", "docs"):
+        (work / name).symlink_to(README.parent / name, target_is_directory=True)
+    previous = os.getcwd()
+    os.chdir(work)
+    results = []
+    try:
+        for command in USING_COMMANDS[1:]:
+            args = [found for arg in command[1:] for found in (sorted(glob.glob(arg)) if "*" in arg else [arg])]
+            if args[0] == "train":
+                args += SHORTER_TRAINING
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = main(args)
+                except SystemExit as exit_:  # argparse's way out
+                    code = exit_.code
+            results.append((code, out.getvalue(), err.getvalue()))
+    finally:
+        os.chdir(previous)
+    return work, results
+
+
+@pytest.mark.parametrize("index", range(len(USING_COMMANDS) - 1), ids=[" ".join(c) for c in USING_COMMANDS[1:]])
+def test_readme_commands_succeed_in_the_order_written(using_forge, index):
+    code, out, err = using_forge[1][index]
+    assert code == 0, out[-2000:] + err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_gitignore_covers_what_the_readme_commands_create(using_forge):
+    work, _ = using_forge
+    patterns = [line.strip().rstrip("/") for line in (README.parent / ".gitignore").read_text().splitlines()]
+    created = sorted(path.name for path in work.iterdir() if path.name not in ("configs", "docs"))
+    assert {"runs", "hf-model", "shards"} <= set(created)
+    assert [name for name in created if name not in patterns] == []
+
+
+def test_readme_demo_loss_starts_where_the_readme_says_and_step_1_is_logged(tmp_path, capsys):
+    """The default run (that of `make demo`), with its default log interval, logs step 1 at the
+    loss the README gives."""
+    from forge_lm.cli._main import main
+    from forge_lm.metrics.jsonl import read_metrics
+
+    start = float(re.search(r"the loss falls from about (\d+\.\d+) at step 1", README.read_text()).group(1))
+
+    assert main(["train", "--train.max_steps=2", "--eval.interval=0", f"--train.output_dir={tmp_path / 'run'}"]) == 0
+
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["loss"] == pytest.approx(start, abs=0.1)
+    assert capsys.readouterr().out.count("\nstep 1 | loss ") == 1

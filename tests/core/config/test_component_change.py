@@ -93,3 +93,12 @@ def test_config_validate_accepts_the_changed_component_and_notes_the_drop(write_
     path = write_toml(COSINE)
     assert main(["config", "validate", str(path), "--scheduler.name=constant"]) == 0
     assert "forge: note: [scheduler] min_lr_ratio = 0.1" in capsys.readouterr().err
+
+
+def test_forge_train_notes_the_drop_before_it_trains(write_toml, capsys, tmp_path):
+    path = write_toml(COSINE)
+    tiny = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=4", "--model.max_seq_len=32"]
+    tiny += ["--train.seq_len=16", "--train.batch_size=2", "--train.max_steps=1", "--data.name=synthetic"]
+    tiny += ['--metrics.backends=["jsonl"]', "--eval.interval=0", f"--train.output_dir={tmp_path / 'run'}"]
+    assert main(["train", str(path), *tiny, "--scheduler.name=constant"]) == 0
+    assert capsys.readouterr().err.startswith("forge: note: [scheduler] min_lr_ratio = 0.1")

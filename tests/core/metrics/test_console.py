@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -12,6 +13,7 @@ from forge_lm.components import MetricsContext
 from forge_lm.config import structure_options
 from forge_lm.metrics.console import ConsoleBackend
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing._references import read_console
 
 MANIFEST = [{"name": "core.metrics", "distribution": "forge-lm", "version": "0.1.0"}]
 
@@ -48,6 +50,64 @@ def test_off_a_terminal_each_step_is_one_plain_line(manager, capsys):
         "step 2 | loss 2 | lr 0.00025 | tokens_per_sec 12345 | grad_norm nan\n"
         "summary: final_loss 2 | tokens 4096\n"
     )
+
+
+def moe_like_step(loss: float) -> dict[str, float]:
+    """A step as an MoE run logs it: the headline metrics among per-layer router statistics."""
+    metrics = {"loss": loss, "lr": 0.001, "grad_norm": 1.5}
+    for layer in range(4):
+        for name in ("balance_loss", "z_loss", "load_min", "load_max", "load_cv", "drop_fraction"):
+            metrics[f"moe/layer{layer}/{name}"] = 0.123456
+    return {**metrics, "tokens_per_sec": 2500.0, "mfu": 0.0125}
+
+
+def test_off_a_terminal_per_layer_metrics_are_counted_once_and_left_to_metrics_jsonl(manager, capsys):
+    backend = build(manager, total_steps=10)
+
+    backend.start({}, MANIFEST)
+    backend.log(1, moe_like_step(5.5))
+    backend.log(2, moe_like_step(5.25))
+    backend.log(2, {"eval/loss": 5.0, "eval/perplexity": 148.4})
+    backend.finish({"final_loss": 5.25, "steps": 2})
+
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert lines == [
+        "note: 24 more metrics per step (moe/layer0/balance_loss, moe/layer0/drop_fraction, moe/layer0/load_cv, ...) "
+        "are not shown on these lines; the jsonl backend (on by default) writes every metric to metrics.jsonl",
+        "step 1 | loss 5.5 | lr 0.001 | grad_norm 1.5 | tokens_per_sec 2500 | mfu 0.0125",
+        "step 2 | loss 5.25 | lr 0.001 | grad_norm 1.5 | tokens_per_sec 2500 | mfu 0.0125",
+        "step 2 | eval/loss 5 | eval/perplexity 148.4",
+        "summary: final_loss 5.25 | steps 2",
+    ]
+    assert read_console(Path("."), "\n".join(lines)) == [  # forge_lm.testing's reader still parses them
+        (1, {"loss": 5.5, "lr": 0.001, "grad_norm": 1.5, "tokens_per_sec": 2500.0, "mfu": 0.0125}),
+        (2, {"loss": 5.25, "lr": 0.001, "grad_norm": 1.5, "tokens_per_sec": 2500.0, "mfu": 0.0125}),
+        (2, {"eval/loss": 5.0, "eval/perplexity": 148.4}),
+    ]
+
+
+def test_off_a_terminal_a_few_other_metrics_stay_on_the_line(manager, capsys):
+    backend = build(manager)
+
+    backend.start({}, MANIFEST)
+    backend.log(1, {"loss": 3.0, "loss/z": 0.25, "router/balance": 0.5, "lr": 0.01})
+    backend.finish({})
+
+    assert capsys.readouterr().out.splitlines()[1:] == ["step 1 | loss 3 | loss/z 0.25 | router/balance 0.5 | lr 0.01"]
+
+
+def test_off_a_terminal_new_left_out_metrics_get_a_note_of_their_own(manager, capsys):
+    backend = build(manager)
+    others = {f"extra/{i}": 1.0 for i in range(5)}
+
+    backend.start({}, MANIFEST)
+    backend.log(1, {"loss": 3.0, **others})
+    backend.log(2, {"loss": 2.0, **others})
+    backend.log(3, {"loss": 1.0, **others, "extra/5": 1.0})
+    backend.finish({})
+
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert [note.split(" (")[0] for note in notes] == ["note: 5 more metrics per step", "note: 6 more metrics per step"]
 
 
 def test_digits_sets_the_significant_digits_of_plain_lines(manager, capsys):

@@ -46,7 +46,10 @@ def _run(args, overrides, plugins, noted: list[int]) -> int:
 
     path = checked_config_file(args.config_file)
     manager = plugins()
-    config = load_config(path, overrides, manager.registry)
+    notes: list[str] = []  # options of a replaced component that a later layer dropped
+    config = load_config(path, overrides, manager.registry, notes)
+    for note in notes:
+        print(f"forge: note: {note}", file=sys.stderr)
     manager.configure(config)  # every plugin checks the config before anything is built
     if noted:  # the first safe point: nothing built, nothing written
         return _stopped_at_startup(signal.Signals(noted[0]).name)
@@ -88,8 +91,28 @@ def _run(args, overrides, plugins, noted: list[int]) -> int:
         print(f"forge: error: {stop}", file=sys.stderr)
         return SAVE_FAILED_EXIT_CODE
     if detect_launch().rank == 0:  # under torchrun, one summary line for the whole run
-        print(f"trained {result.steps} steps; final loss {result.final_loss:.4f}; run directory {result.run_dir}")
+        if result.steps == result.resumed_at:  # resumed a finished run: no step, so no final loss
+            print(_already_complete(config, result))
+        else:
+            print(f"trained {result.steps} steps; final loss {result.final_loss:.4f}; run directory {result.run_dir}")
     return 0
+
+
+def _already_complete(config, result) -> str:
+    """What a start that found its run finished says: the run's last logged loss and how to go on."""
+    from forge_lm.metrics.jsonl import last_logged
+
+    line = (
+        f"nothing to train: run directory {result.run_dir} already has {result.steps} steps "
+        f"(train.max_steps={config.train.max_steps})"
+    )
+    jsonl = [backend for backend in config.metrics.backends if backend.name in ("jsonl", "forge-lm:jsonl")]
+    filename = getattr(jsonl[0].options, "filename", None) if jsonl else None
+    logged = last_logged(result.run_dir / filename, "loss") if filename else None
+    if logged is not None:
+        step, loss = logged
+        line += f"; last logged loss {loss:.4f} at step {step}"
+    return line + f". To train further, run the same command with --train.max_steps=N, N above {result.steps}."
 
 
 def _stopped_at_startup(signal_name: str) -> int:

@@ -275,7 +275,9 @@ class ResilienceSection:
 
 @attrs.frozen
 class MetricsSection:
-    log_interval: int = attrs.field(default=10, validator=positive, metadata=_doc("Log every this many steps."))
+    log_interval: int = attrs.field(
+        default=10, validator=positive, metadata=_doc("Log every this many steps, and always the first and the last.")
+    )
     peak_flops: float | None = attrs.field(
         default=None,
         validator=positive,

@@ -3,8 +3,10 @@
 On a terminal the run shows a rich progress bar over the run's steps, with the latest
 loss, learning rate, throughput and the time left. Anywhere else (a pipe, a log file, CI)
 each logged step is one line, ``step 10 | loss 3.25 | lr 0.0003``, which stays readable in
-a log and which ``forge_lm.testing``'s reader parses. rich is imported only for the live
-display, so plain mode costs nothing.
+a log and which ``forge_lm.testing``'s reader parses. A line holds the headline metrics (loss,
+lr, grad_norm, tokens_per_sec, mfu, eval/*) and the others only while they are few: an MoE
+run's per-layer statistics are left to metrics.jsonl, with one note saying how many there
+are. rich is imported only for the live display, so plain mode costs nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from typing import Any
 
 from forge_lm.components import MetricsContext
 from forge_lm.metrics import EVAL_LOSS, LEARNING_RATE, LOSS, MFU, TOKENS_PER_SECOND
+
+HEADLINE = (LOSS, LEARNING_RATE, "grad_norm", TOKENS_PER_SECOND, MFU)  # and every eval/* key
+MAX_OTHER_KEYS = 4  # a plain line shows the other keys of a step only if there are at most this many
 
 
 class ConsoleBackend:
@@ -32,6 +37,7 @@ class ConsoleBackend:
         self.live = live
         self._console = console
         self._display: _LiveDisplay | None = None
+        self._left_out: set[str] = set()  # keys plain lines leave out, already noted
 
     def format_value(self, value: float) -> str:
         if isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value.is_integer()):
@@ -54,7 +60,18 @@ class ConsoleBackend:
         if self._display is not None:
             self._display.update(step, metrics)
             return
-        print(" | ".join([f"step {step}", *self.format_pairs(metrics)]), file=sys.stdout, flush=True)
+        shown, left_out = _plain_selection(metrics)
+        if not left_out <= self._left_out:  # once per new set of keys, not on every line
+            self._left_out |= left_out
+            names = sorted(left_out)
+            examples = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            print(
+                f"note: {len(left_out)} more metrics per step ({examples}) are not shown on these lines; "
+                "the jsonl backend (on by default) writes every metric to metrics.jsonl",
+                file=sys.stdout,
+                flush=True,
+            )
+        print(" | ".join([f"step {step}", *self.format_pairs(shown)]), file=sys.stdout, flush=True)
 
     def finish(self, summary: Mapping[str, float]) -> None:
         line = "summary: " + " | ".join(self.format_pairs(summary)) if summary else None
@@ -66,6 +83,15 @@ class ConsoleBackend:
             return
         if line:
             print(line, file=sys.stdout, flush=True)
+
+
+def _plain_selection(metrics: Mapping[str, float]) -> tuple[dict[str, float], set[str]]:
+    """What a plain line shows, in logged order, and the keys it leaves out: the headline keys
+    always, the others too when there are at most MAX_OTHER_KEYS of them."""
+    others = [key for key in metrics if key not in HEADLINE and not key.startswith("eval/")]
+    if len(others) <= MAX_OTHER_KEYS:
+        return dict(metrics), set()
+    return {key: value for key, value in metrics.items() if key not in others}, set(others)
 
 
 class _LiveDisplay:

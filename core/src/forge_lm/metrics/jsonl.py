@@ -54,5 +54,19 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def last_logged(path: str | Path, key: str) -> tuple[int, float] | None:
+    """The step and value of the last record of a metrics file that holds ``key``; None if
+    there is none, or the file is missing or unreadable."""
+    try:
+        records = read_metrics(path)
+    except (OSError, ValueError):
+        return None
+    for record in reversed(records):
+        value = record.get(key)
+        if isinstance(value, int | float) and isinstance(record.get("step"), int):
+            return record["step"], float(value)
+    return None
+
+
 def build_jsonl(options, context: MetricsContext) -> JsonlBackend:
     return JsonlBackend(Path(context.run_dir) / options.filename)

@@ -11,6 +11,7 @@ RMSNorm, no QK-norm and SwiGLU feed-forward layers in every block have a Llama e
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -251,7 +252,21 @@ def write_hf(out_dir: str | Path, hf_config: dict[str, Any], state: dict[str, to
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
     st.save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    os.chmod(out / WEIGHTS_FILE, _new_file_mode())  # safetensors writes 0600; give it config.json's usual mode
     return out
+
+
+def _new_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 less the process's umask."""
+    try:  # Linux reports the umask without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read it by setting it, then put it back
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def read_hf(hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

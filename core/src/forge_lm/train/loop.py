@@ -41,7 +41,7 @@ from forge_lm.distributed.launch import on_main_process, rank_device
 from forge_lm.distributed.pipeline import PipelineRunner
 from forge_lm.distributed.reduce import mean_over_data_parallel
 from forge_lm.losses.aux import collect_aux
-from forge_lm.metrics.mfu import mfu, peak_flops
+from forge_lm.metrics.mfu import mfu, world_peak_flops
 from forge_lm.model import build_model
 from forge_lm.model.flops import active_parameter_count, flops_per_token
 from forge_lm.model.memory import check_memory, model_vocab_size
@@ -74,9 +74,10 @@ class TrainContext:
 @attrs.frozen
 class TrainResult:
     run_dir: Path
-    steps: int
-    final_loss: float
+    steps: int  # the run's steps, this start's and those it resumed from
+    final_loss: float  # NaN when this start trained no step
     status: str
+    resumed_at: int = 0  # the step this start resumed from (0: a new run); == steps: nothing to train
 
 
 @attrs.define
@@ -97,7 +98,7 @@ class _Parts:
     backends: list[Any]
     tokens_per_step: int
     flops_per_token: float
-    peak_flops: float  # of the whole world: one device's peak times the number of ranks
+    peak_flops: float | None  # of the whole world (one device's times the ranks); None: unknown, no MFU
 
     @property
     def pp_group(self) -> Any:
@@ -112,7 +113,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     dims = ParallelDims.resolve(config, launch.world_size)  # checked before any process group exists
     device = rank_device(resolve_device(config.train.device), launch)
     dtype = autocast_dtype(config.train.precision, device)
-    init_distributed(launch, device)
+    init_distributed(launch, device, config.distributed.timeout)
     mesh = dims.build_mesh(device.type)
     check_same_plugins(manager.manifest(), manager.manifest_hash())
     dp_rank, dp_size = dp_coordinates(mesh)
@@ -157,7 +158,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         tokens_per_step=config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps * dp_size,
         flops_per_token=flops,
         # Measured (on CPU) by rank 0 alone: ranks timing matmuls at once would each see a fraction.
-        peak_flops=on_main_process(lambda: peak_flops(device, dtype, config.metrics.peak_flops)) * dims.world_size,
+        peak_flops=on_main_process(lambda: world_peak_flops(device, dtype, config.metrics.peak_flops, dims.world_size)),
     )
 
 
@@ -190,10 +191,12 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
     context = TrainContext(config, run_dir, model, optimizer, parts.scheduler, tokens_per_step=parts.tokens_per_step)
     saves = SavePolicy(config.checkpoint.max_failed_saves)  # what a failed checkpoint write does
     status, loss, bad_steps = "failed", float("nan"), 0
+    resumed_at = 0  # the step this start resumed from; a finished run resumed trains no step
     started = False  # whether train_start was called (then train_end is)
     try:
         if resuming:  # before any backend starts: plugins get their state back first (a tracker's run id)
             restore_run(checkpoints, context, parts.train_batches, manager)
+            resumed_at = context.step
         for backend in backends:  # guarded: a backend that fails is turned off with a warning
             backend.start(to_data(config), manager.manifest())
         started = True
@@ -227,10 +230,11 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
                     extra = manager.collect_metrics("forge_lm_step_end", context=context, step=step, metrics=metrics)
                     metrics.update(extra)
                 finally:  # the step happened: it is logged even when a plugin's step_end failed
-                    if step % config.metrics.log_interval == 0 or last:
+                    if step % config.metrics.log_interval == 0 or step == 1 or last:  # step 1: the starting loss
                         tokens_per_sec = parts.tokens_per_step * window_steps / (time.perf_counter() - window_start)
                         metrics["tokens_per_sec"] = tokens_per_sec
-                        metrics["mfu"] = mfu(parts.flops_per_token, tokens_per_sec, parts.peak_flops)
+                        if parts.peak_flops is not None:  # an unknown device logs no MFU (warned once)
+                            metrics["mfu"] = mfu(parts.flops_per_token, tokens_per_sec, parts.peak_flops)
                         _log(backends, step, metrics)
                         window_start, window_steps = time.perf_counter(), 0
 
@@ -256,8 +260,10 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
         failure.outcome = stop_for_plugin(failure, checkpoints, context, parts.train_batches, parts.dims, manager)
         raise
     finally:  # never replaces the exception that ended the run
-        end_run(manager, context, status, started, backends, checkpoints, {"final_loss": loss, "steps": context.step})
-    return TrainResult(run_dir, context.step, loss, status)
+        trained = context.step > resumed_at  # else there is no final loss of this start to report
+        summary = {"final_loss": loss, "steps": context.step} if trained else {"steps": context.step}
+        end_run(manager, context, status, started, backends, checkpoints, summary)
+    return TrainResult(run_dir, context.step, loss, status, resumed_at)
 
 
 def _divides(interval: int, step: int) -> bool:
@@ -298,6 +304,9 @@ def _handle_bad_step(
             f"{what}; stopping because of {reason}. The newest checkpoint is intact; lower the learning rate "
             "or check the data, then run the same command to resume."
         )
+    # The bad batch's forward and backward ran but no step_end follows: per-step state that
+    # components accumulated from it (a router's load counts) is discarded before going on.
+    manager.call("forge_lm_step_skipped", context=context, step=context.step)
     if policy.nan_policy == "rollback":
         checkpoints.wait()
         data_position = train_batches.state_dict()  # go on past the bad batch, not back to it
@@ -314,7 +323,12 @@ def _train_step(
 ) -> tuple[float, float, dict[str, float]]:
     """Gradients of one optimizer step over ``grad_accum_steps`` micro-batches, clipped; returns
     (loss averaged over the data-parallel ranks, global grad norm before clipping, aux). The
-    caller steps the optimizer if all is finite."""
+    caller steps the optimizer if all is finite.
+
+    The backpropagated objective is the loss function's value plus every auxiliary loss; the
+    returned loss is the data loss alone (the value without the terms the loss function
+    reported, such as its z-loss), so that it reads the same with or without regularizers.
+    Each auxiliary loss and loss term is in ``aux``, under its own name."""
     model, optimizer, device, dtype = parts.model, parts.optimizer, parts.device, parts.dtype
     accum = config.train.grad_accum_steps
     optimizer.zero_grad(set_to_none=True)
@@ -332,7 +346,7 @@ def _train_step(
                 aux_total = aux.total()
                 full = loss if aux_total is None else loss + aux_total
                 (full / accum).backward()
-            loss_sum += loss.item()
+            loss_sum += aux.data_loss(loss).item()
             aux_logged = aux.logged()  # statistics of the last micro-batch
     max_norm = config.train.grad_clip or math.inf  # inf: measure the norm without clipping
     grad_norm = clip_grad_norm(model.parameters(), max_norm, parts.pp_group)
