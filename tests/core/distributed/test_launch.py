@@ -80,3 +80,12 @@ def test_the_process_group_waits_as_long_as_distributed_timeout(monkeypatch) -> 
     )
     assert joined["timeout"] == datetime.timedelta(seconds=1800)
     assert joined["backend"] == "gloo"
+
+
+def test_exit_process_flushes_its_output_and_keeps_the_exit_code() -> None:
+    import subprocess
+    import sys
+
+    code = "from forge_lm.distributed.launch import exit_process\nprint('written', end='')\nexit_process(75)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (75, "written")

@@ -17,6 +17,8 @@ from _models import batches, muon_options, tiny_mixture_lm, train  # the script'
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from forge_lm.distributed.launch import exit_process
+
 STEPS = 3
 OPTIONS = {"lr": 0.05, "adamw_lr": 0.01, "weight_decay": 0.1, "ns_dtype": "float32"}
 
@@ -55,3 +57,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_process(0)  # past gloo's destructors, which can abort at exit

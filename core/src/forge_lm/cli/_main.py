@@ -149,4 +149,8 @@ def plugin_manager(args: argparse.Namespace) -> PluginManager:
 
 def run() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    code = main()
+    launch = sys.modules.get("forge_lm.distributed.launch")  # imported only by commands that use torch
+    if launch is not None and launch.JOINED:  # a distributed run: see exit_process
+        launch.exit_process(code)
+    sys.exit(code)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import attrs
 import torch
@@ -104,12 +105,13 @@ def backend_for(device: torch.device) -> str:
 
 
 _OWNED_GROUP = False  # whether init_distributed created the default process group
+JOINED = False  # whether this process ever joined a process group (see exit_process)
 
 
 def init_distributed(launch: Launch, device: torch.device, timeout_s: float = 600.0) -> None:
     """Join the launch's process group (once); a no-op for a single process, or when the caller
     has already initialised one (then :func:`shutdown_distributed` leaves it alone too)."""
-    global _OWNED_GROUP
+    global _OWNED_GROUP, JOINED
     if not launch.distributed or dist.is_initialized():
         return
     if launch.launcher == "slurm":  # env:// reads these
@@ -124,6 +126,7 @@ def init_distributed(launch: Launch, device: torch.device, timeout_s: float = 60
         device_id=device if device.type == "cuda" else None,
     )
     _OWNED_GROUP = True
+    JOINED = True
 
 
 def shutdown_distributed(wait_for_all: bool = False) -> None:
@@ -140,6 +143,16 @@ def shutdown_distributed(wait_for_all: bool = False) -> None:
             dist.barrier()
         dist.destroy_process_group()
     _OWNED_GROUP = False
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a process that has left its process group, with ``code``, skipping the interpreter's
+    finalization: torch's gloo backend can abort in its C++ destructors at exit ("terminate
+    called without an active exception", exit -6) after every result is written, turning a
+    finished run into a crash. Output is flushed first; nothing else is pending by then."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def is_main_process() -> bool:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from forge_lm.config import load_config
+from forge_lm.distributed.launch import exit_process
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.train.components import build
@@ -136,4 +137,4 @@ def _dp(parts) -> tuple[int, int]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # past gloo's destructors, which can abort at exit

@@ -33,6 +33,7 @@ from forge_lm.distributed import (
     shutdown_distributed,
 )
 from forge_lm.distributed.grads import clip_grad_norm
+from forge_lm.distributed.launch import exit_process
 from forge_lm.distributed.pipeline import PipelineRunner
 from forge_lm.errors import ForgeError
 from forge_lm.losses.aux import collect_aux, report_aux_loss
@@ -233,4 +234,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # past gloo's destructors, which can abort at exit

@@ -39,6 +39,7 @@ from forge_lm.distributed import (
     init_distributed,
 )
 from forge_lm.distributed.grads import clip_grad_norm
+from forge_lm.distributed.launch import exit_process
 from forge_lm.errors import ForgeError
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
@@ -209,4 +210,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # past gloo's destructors, which can abort at exit

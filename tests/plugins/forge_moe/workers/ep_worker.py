@@ -40,6 +40,7 @@ from forge_lm.distributed import (
     init_distributed,
 )
 from forge_lm.distributed.grads import clip_grad_norm
+from forge_lm.distributed.launch import exit_process
 from forge_lm.losses.aux import collect_aux
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
@@ -259,3 +260,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # past gloo's destructors, which can abort at exit
