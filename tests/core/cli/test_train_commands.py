@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from forge_lm.checkpoint import load_for_inference
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.train.inference import load_for_inference
 
 SMALL = [
     "--model.dim=64",

@@ -14,10 +14,10 @@ import pytest
 import torch
 import transformers
 
-from forge_lm.checkpoint import load_for_inference
 from forge_lm.config import load_config, to_toml
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.train import train
+from forge_lm.train.inference import load_for_inference
 
 from .test_hf import mixtral
 

@@ -13,14 +13,15 @@ JSON, reads DCP's pickled metadata with an unpickler that can reach no callable
 code to run.
 """
 
-from forge_lm.checkpoint._io import CheckpointManager, CheckpointSaveError, latest_checkpoint, load_for_inference
+from forge_lm.checkpoint._io import CHECKPOINTS, CheckpointManager, CheckpointSaveError, latest_checkpoint, step_of
 from forge_lm.checkpoint._safe import DamagedCheckpointError, UnsafeCheckpointError
 
 __all__ = [
+    "CHECKPOINTS",
     "CheckpointManager",
     "CheckpointSaveError",
     "DamagedCheckpointError",
     "UnsafeCheckpointError",
     "latest_checkpoint",
-    "load_for_inference",
+    "step_of",
 ]

@@ -188,6 +188,7 @@ class CheckpointManager:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         restore: Callable[[dict[str, Any]], None] | None = None,
+        only: Path | None = None,
     ) -> dict[str, Any] | None:
         """Restore the newest usable checkpoint into ``model`` and ``optimizer``; return its
         trainer state (with ``step``, ``path`` and ``passed_over``: why newer ones were not
@@ -195,13 +196,15 @@ class CheckpointManager:
         (scheduler, data position, plugin states); if it raises a ForgeError, ValueError,
         TypeError or KeyError, the checkpoint is passed over like a damaged one.
 
+        ``only``: load this step directory or none (``forge generate run/checkpoints/step_N``).
+
         In a distributed run every rank calls it; rank 0 names the candidates, and a checkpoint
         that fails on any rank is passed over on all of them."""
         named, ignored = self._latest()
         if ignored and rank() == 0:
             print(f"forge: warning: {self.root / LATEST}: {ignored.removeprefix(LATEST + ': ')}", file=sys.stderr)
         passed_over = []
-        for path in from_rank0(self.candidates()):
+        for path in from_rank0([only] if only is not None else self.candidates()):
             try:
                 state = self._load(path, model, optimizer, restore)
             except UnsafeCheckpointError as exc:
@@ -400,35 +403,3 @@ def _single_process_quietly() -> Iterator[None]:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     return CheckpointManager(run_dir).latest()
-
-
-def load_for_inference(path: str | Path, manager: Any) -> tuple[torch.nn.Module, Any, Any]:
-    """``(model, config, tokenizer)`` from a run directory (its newest usable checkpoint) or a
-    checkpoint directory. The model is rebuilt from the run's resolved ``config.toml`` with the
-    components the installed plugins provide; it is returned in eval mode on CPU."""
-    from forge_lm.config import load_config
-    from forge_lm.model import build_model
-    from forge_lm.train.components import build
-    from forge_lm.train.run_dir import CONFIG_FILE
-
-    path = Path(path)
-    single = (path / TRAINER_STATE).exists()
-    run_dir = path.parent.parent if single else path
-    if not (run_dir / CONFIG_FILE).exists():
-        raise ForgeError(
-            f"'{path}' is neither a run directory nor a checkpoint in one; give a directory holding "
-            f"{CONFIG_FILE} and {CHECKPOINTS}/, or a {CHECKPOINTS}/step_<N> directory."
-        )
-    config = load_config(run_dir / CONFIG_FILE, [], manager.registry)
-    tokenizer = build(manager.registry, "tokenizers", config.tokenizer)
-    model = build_model(config.model, config.model.vocab_size or tokenizer.vocab_size, manager.registry)
-    optimizer = build(manager.registry, "optimizers", config.optimizer, model)
-    checkpoints = CheckpointManager(run_dir)
-    if single:
-        checkpoints.candidates = lambda: [path]  # exactly this one
-    state = checkpoints.load(model, optimizer)
-    if state is None:
-        raise ForgeError(f"run directory '{run_dir}' has no checkpoint yet; train it first.")
-    for skipped in state["passed_over"]:
-        print(f"forge: warning: passed over checkpoint {skipped}", file=sys.stderr)
-    return model.eval(), config, tokenizer

@@ -463,7 +463,7 @@ def _check_checkpoints(directory: Path) -> Check:
 
 
 def _step(path: Path) -> int:
-    from forge_lm.checkpoint._io import step_of
+    from forge_lm.checkpoint import step_of
 
     return step_of(path) or 0
 

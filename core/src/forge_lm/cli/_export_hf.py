@@ -17,8 +17,8 @@ def add_arguments(parser) -> None:
 def run(args, overrides, plugins) -> int:
     import json
 
-    from forge_lm.checkpoint import load_for_inference
     from forge_lm.model.hf import export_with_plugins
+    from forge_lm.train.inference import load_for_inference
 
     manager = plugins()
     model, config, tokenizer = load_for_inference(args.checkpoint, manager)

@@ -22,8 +22,8 @@ def add_arguments(parser) -> None:
 def run(args, overrides, plugins) -> int:
     import torch
 
-    from forge_lm.checkpoint import load_for_inference
     from forge_lm.model.generate import generate
+    from forge_lm.train.inference import load_for_inference
 
     model, _, tokenizer = load_for_inference(args.checkpoint, plugins())
     prompt = tokenizer.encode(args.prompt) or [tokenizer.eos_id]

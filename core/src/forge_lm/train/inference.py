@@ -1,0 +1,67 @@
+"""A trained model back from its run directory, for ``forge generate`` and ``forge export-hf``.
+
+The model is rebuilt from the run's resolved ``config.toml`` (which anyone could have edited:
+it is loaded and validated like any config, and a model too large for this host's memory is
+refused from its estimate before anything is allocated) with the components the installed
+plugins provide, then its newest usable checkpoint, or the one named, is loaded the way a
+resumed run loads it (:class:`forge_lm.checkpoint.CheckpointManager`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forge_lm.checkpoint import CHECKPOINTS, CheckpointManager, step_of
+from forge_lm.checkpoint._state import TRAINER_STATE
+from forge_lm.config import load_config
+from forge_lm.distributed.mesh import ParallelDims
+from forge_lm.errors import ConfigError, ForgeError
+from forge_lm.model import build_model
+from forge_lm.model.memory import estimate_memory, format_bytes, memory_limit
+from forge_lm.train.components import build
+from forge_lm.train.run_dir import CONFIG_FILE
+
+
+def load_for_inference(path: str | Path, manager: Any) -> tuple[torch.nn.Module, Any, Any]:
+    """``(model, config, tokenizer)`` from a run directory (its newest usable checkpoint) or a
+    ``checkpoints/step_<N>`` directory of one; the model is in eval mode on CPU."""
+    path = Path(path)
+    single = step_of(path) is not None and path.parent.name == CHECKPOINTS and (path / TRAINER_STATE).exists()
+    run_dir = path.parent.parent if single else path
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise ForgeError(
+            f"'{path}' is neither a run directory nor a checkpoint in one; give a directory holding "
+            f"{CONFIG_FILE} and {CHECKPOINTS}/, or a {CHECKPOINTS}/step_<N> directory."
+        )
+    config = load_config(run_dir / CONFIG_FILE, [], manager.registry)
+    tokenizer = build(manager.registry, "tokenizers", config.tokenizer)
+    vocab_size = config.model.vocab_size or tokenizer.vocab_size
+    _check_fits(config, vocab_size, manager.registry, run_dir)
+    model = build_model(config.model, vocab_size, manager.registry)
+    optimizer = build(manager.registry, "optimizers", config.optimizer, model)
+    state = CheckpointManager(run_dir).load(model, optimizer, only=path if single else None)
+    if state is None:
+        raise ForgeError(f"run directory '{run_dir}' has no checkpoint yet; train it first.")
+    for skipped in state["passed_over"]:
+        print(f"forge: warning: passed over checkpoint {skipped}", file=sys.stderr)
+    return model.eval(), config, tokenizer
+
+
+def _check_fits(config: Any, vocab_size: int, registry: Any, run_dir: Path) -> None:
+    """Refuse a model whose weights and optimizer state (loaded with it) exceed this host's
+    available memory: its numbers come from a file, and building it would be the first
+    allocation."""
+    cpu = torch.device("cpu")
+    estimate = estimate_memory(config, vocab_size, registry, ParallelDims(), None)
+    needed = estimate.weights + estimate.optimizer_state
+    limit = memory_limit(cpu, processes_on_host=1)
+    if limit is not None and needed > limit.bytes:
+        raise ConfigError(
+            f"the model of '{run_dir}' needs about {format_bytes(needed)} for its weights and optimizer state, "
+            f"more than the {format_bytes(limit.bytes)} {limit.source} ({estimate.parameters()}); its "
+            f"{CONFIG_FILE} may have been edited, or the run was trained on a larger machine."
+        )
