@@ -100,14 +100,20 @@ def _job(env: dict[str, str], *args: str) -> subprocess.Popen:
     )
 
 
-def test_a_preempted_multi_node_job_saves_one_checkpoint_requeues_once_and_resumes(slurm, tmp_path):
-    run_dir = tmp_path / "run"
-    job = _job(slurm, "--train.max_steps=100000", "--checkpoint.interval=0", f"--train.output_dir={run_dir}")
+def _training_job(env: dict[str, str], run_dir: Path, logged_steps: int) -> subprocess.Popen:
+    """A job of a run with no end in sight, once it has logged ``logged_steps`` steps."""
+    job = _job(env, "--train.max_steps=100000", "--checkpoint.interval=0", f"--train.output_dir={run_dir}")
     deadline = time.monotonic() + 240
-    while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir / "metrics.jsonl")) < 3:
+    while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir / "metrics.jsonl")) < logged_steps:
         assert time.monotonic() < deadline, "the ranks did not train"
         assert job.poll() is None, job.communicate()
         time.sleep(0.2)
+    return job
+
+
+def test_a_preempted_multi_node_job_saves_one_checkpoint_requeues_once_and_resumes(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    job = _training_job(slurm, run_dir, logged_steps=3)
     for pid in Path(slurm["FAKE_SLURM_TASKS"]).read_text().split():  # SLURM signals every task
         os.kill(int(pid), signal.SIGUSR1)
     out, err = job.communicate(timeout=240)
@@ -133,12 +139,7 @@ def test_a_preempted_multi_node_job_saves_one_checkpoint_requeues_once_and_resum
 def test_a_rank_that_only_heard_of_the_signal_from_another_names_it_so(slurm, tmp_path):
     """SLURM signals one task only (the other learns of it at the step's agreement)."""
     run_dir = tmp_path / "run"
-    job = _job(slurm, "--train.max_steps=100000", "--checkpoint.interval=0", f"--train.output_dir={run_dir}")
-    deadline = time.monotonic() + 240
-    while not (run_dir / "metrics.jsonl").exists() or len(read_metrics(run_dir / "metrics.jsonl")) < 2:
-        assert time.monotonic() < deadline, "the ranks did not train"
-        assert job.poll() is None, job.communicate()
-        time.sleep(0.2)
+    job = _training_job(slurm, run_dir, logged_steps=2)
     os.kill(int(Path(slurm["FAKE_SLURM_TASKS"]).read_text().split()[1]), signal.SIGTERM)  # rank 1 only
     _, err = job.communicate(timeout=240)
     assert job.returncode == 0, err
