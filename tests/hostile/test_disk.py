@@ -15,6 +15,7 @@ from _hostile import Case, Outcome, Workspace, case_params
 from forge_lm.metrics.jsonl import read_metrics
 
 RESUME = ("train", "{tiny}", "--train.output_dir={run}")
+FULL_AT_SHARDS = 200_000  # room for everything but a checkpoint's shard
 
 
 def planned(**settings: int):
@@ -36,11 +37,11 @@ def planned(**settings: int):
 _SECTIONS = {"max_steps": "train", "interval": "checkpoint", "max_failed_saves": "checkpoint"}
 
 
-def options(**settings: int) -> tuple[str, ...]:
-    return tuple(f"--{_SECTIONS[key]}.{key}={value}" for key, value in settings.items())
-
-
-FULL_AT_SHARDS = 200_000  # room for everything but a checkpoint's shard
+def resumed_planning(**settings: int) -> dict:
+    """A resume whose command line and copied config.toml both plan ``settings``: the command
+    line's ``argv`` and the ``setup`` that writes them into the config."""
+    argv = (*RESUME, *(f"--{_SECTIONS[key]}.{key}={value}" for key, value in settings.items()))
+    return {"argv": argv, "setup": planned(**settings)}
 
 
 def logged_steps(*expected: int):
@@ -55,34 +56,32 @@ def logged_steps(*expected: int):
 
 CASES = [
     Case(
-        "checkpoint-saves-fail-until-the-limit",
-        (*RESUME, *options(max_steps=10, max_failed_saves=2)),
-        5,
-        r"forge: warning: could not write checkpoint '.*step_6': .*The previous checkpoint \(step_4\) is intact",
-        setup=planned(max_steps=10, max_failed_saves=2),
+        id="checkpoint-saves-fail-until-the-limit",
+        **resumed_planning(max_steps=10, max_failed_saves=2),
+        exit_code=5,
+        first_line=r"forge: warning: could not write checkpoint '.*step_6': .*The previous checkpoint \(step_4\) "
+        r"is intact",
         needs_run=True,
         subprocess=True,
         file_size_limit=FULL_AT_SHARDS,
         check=logged_steps(1, 2, 3, 4, 5, 6, 7, 8),
     ),
     Case(
-        "final-checkpoint-save-fails",
-        (*RESUME, *options(max_steps=5, interval=0)),
-        5,
-        r"forge: error: could not write checkpoint '.*step_5': .*Stopping: this was the final save",
-        setup=planned(max_steps=5, interval=0),
+        id="final-checkpoint-save-fails",
+        **resumed_planning(max_steps=5, interval=0),
+        exit_code=5,
+        first_line=r"forge: error: could not write checkpoint '.*step_5': .*Stopping: this was the final save",
         needs_run=True,
         subprocess=True,
         file_size_limit=FULL_AT_SHARDS,
         check=logged_steps(1, 2, 3, 4, 5),
     ),
     Case(
-        "metrics-file-full-turns-the-backend-off",
-        (*RESUME, *options(max_steps=12, interval=0, max_failed_saves=1)),
-        5,
-        r"forge: warning: metrics backend 'jsonl' \(forge-lm [^)]*\) failed in log \(step \d+\): OSError: \[Errno 27\] "
-        r"File too large; it is off for the rest of this run",
-        setup=planned(max_steps=12, interval=0, max_failed_saves=1),
+        id="metrics-file-full-turns-the-backend-off",
+        **resumed_planning(max_steps=12, interval=0, max_failed_saves=1),
+        exit_code=5,
+        first_line=r"forge: warning: metrics backend 'jsonl' \(forge-lm [^)]*\) failed in log \(step \d+\): "
+        r"OSError: \[Errno 27\] File too large; it is off for the rest of this run",
         needs_run=True,
         subprocess=True,
         file_size_limit=1_500,  # metrics.jsonl reaches it within a few steps; the final save cannot fit either

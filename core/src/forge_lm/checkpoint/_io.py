@@ -283,11 +283,11 @@ class CheckpointManager:
         missing = sorted(set(wanted) - set(stored))
         if missing:
             raise ForgeError(f"it does not fit this model: it has no {', '.join(missing[:3])}")
-        for key, tensor in wanted.items():
-            if tuple(stored[key].size) != tuple(_global_shape(tensor)):
+        for key, tensor in wanted.items():  # a DTensor's shape is the whole tensor's: DCP reshards
+            if tuple(stored[key].size) != tuple(tensor.shape):
                 raise ForgeError(
                     f"it does not fit this model: '{key}' is {tuple(stored[key].size)} there, "
-                    f"{tuple(_global_shape(tensor))} here"
+                    f"{tuple(tensor.shape)} here"
                 )
         return wanted, skeleton, reader
 
@@ -349,11 +349,6 @@ def _free_space(directory: Path) -> str:
     except OSError:
         return ""
     return f" ({free / 1e9:.3g} GB free on its disk)"
-
-
-def _global_shape(tensor: torch.Tensor) -> torch.Size:
-    """The whole tensor's shape, also for a DTensor shard (DCP reshards between layouts)."""
-    return tensor.shape
 
 
 def _remove(path: Path) -> None:
