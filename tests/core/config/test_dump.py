@@ -181,6 +181,7 @@ def test_the_dump_is_toml_with_one_table_per_section(load):
         "resilience",
         "metrics",
         "distributed",
+        "profiling",
     ]
     assert parsed["optimizer"]["betas"] == [0.9, 0.95]
 

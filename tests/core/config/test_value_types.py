@@ -102,7 +102,7 @@ def test_the_walk_sees_every_section_and_the_built_in_components():
     sections = {where.split(".")[0] for where, *_ in KEYS}
     assert sections == {
         "model", "train", "tokenizer", "data", "optimizer", "scheduler", "loss", "eval", "checkpoint",
-        "resilience", "metrics", "distributed",
+        "resilience", "metrics", "distributed", "profiling",
     }  # fmt: skip
     assert ("model.ffn", "hidden_multiplier") in {(where, key) for where, key, *_ in KEYS}
     assert ("metrics.jsonl", "filename") in {(where, key) for where, key, *_ in KEYS}

@@ -271,6 +271,21 @@ class ResilienceSection:
         validator=positive,
         metadata=_doc("Seconds allowed to checkpoint after SIGTERM/SIGUSR1 before the process exits anyway."),
     )
+    hang_timeout: float = attrs.field(
+        default=1800.0,
+        validator=non_negative,
+        metadata=_doc(
+            "Seconds without a completed optimizer step (evaluations and checkpoints included) after which every "
+            "rank writes its Python stacks to <run>/hang/rank<R>.txt and exits 77; 0 turns the watchdog off."
+        ),
+    )
+    health_check: bool = attrs.field(
+        default=True,
+        metadata=_doc(
+            "Under torchrun, time an all-reduce across all ranks at start (and on GPU a matmul and free memory "
+            "per device) and stop naming any rank that fails or is far slower than the others."
+        ),
+    )
 
 
 @attrs.frozen
@@ -285,6 +300,36 @@ class MetricsSection:
     )
     backends: list[ComponentConfig] = components(
         "metrics_backends", ("console", "jsonl"), "Where metrics go; options in [metrics.<backend>]."
+    )
+
+
+@attrs.frozen
+class ProfilingSection:
+    """torch.profiler over a window of optimizer steps, and CUDA allocator snapshots."""
+
+    enabled: bool = attrs.field(default=False, metadata=_doc("Profile the window below; traces per rank."))
+    start_step: int = attrs.field(
+        default=5, validator=positive, metadata=_doc("The optimizer step at which the first window begins.")
+    )
+    warmup_steps: int = attrs.field(
+        default=1, validator=non_negative, metadata=_doc("Steps profiled but discarded before each window.")
+    )
+    active_steps: int = attrs.field(default=3, validator=positive, metadata=_doc("Steps recorded per window."))
+    repeat: int = attrs.field(
+        default=1, validator=non_negative, metadata=_doc("Windows to record, back to back; 0 repeats to the end.")
+    )
+    record_shapes: bool = attrs.field(default=False, metadata=_doc("Record operator input shapes."))
+    profile_memory: bool = attrs.field(default=False, metadata=_doc("Record tensor allocations per operator."))
+    with_stack: bool = attrs.field(
+        default=True, metadata=_doc("Record Python stacks (needed for the folded stacks flamegraphs read).")
+    )
+    memory_snapshot_step: int = attrs.field(
+        default=0,
+        validator=non_negative,
+        metadata=_doc(
+            "CUDA only: record allocator history from the start and write a snapshot (for pytorch.org/memory_viz) "
+            "after this step, or at an out-of-memory error before it; 0 off."
+        ),
     )
 
 
@@ -304,6 +349,7 @@ class ForgeConfig:
     resilience: ResilienceSection = attrs.field(factory=ResilienceSection)
     metrics: MetricsSection = attrs.field(factory=MetricsSection)
     distributed: DistributedSection = attrs.field(factory=DistributedSection)
+    profiling: ProfilingSection = attrs.field(factory=ProfilingSection)
 
 
 def check_cross_section(config: ForgeConfig) -> list[tuple[str, str]]:

@@ -1,0 +1,132 @@
+"""The run's structured event log: ``<run>/events.jsonl``, one JSON object per line.
+
+Every line has ``time`` (Unix seconds), ``rank``, ``step`` (optimizer steps completed when it
+happened) and ``type``; the other keys depend on the type. The core's types are listed in
+:data:`EVENT_TYPES` (and in the README); a plugin records its own with :func:`record`, under a
+type named ``<plugin>/<what>`` (``forge-moe/expert_load``), so it can never be mistaken for
+one of the core's.
+
+Most events are recorded by rank 0 (what happened to the run); a hang and an error are
+recorded by the rank they happened on. Each line goes out in one ``write`` on a file opened
+for appending, so lines from several ranks do not interleave. Recording never stops a run: a
+value JSON cannot hold is written as its ``repr``, and a log that cannot be written is
+reported once and then left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+
+# type -> what it records (the README's table is checked against this).
+EVENT_TYPES: dict[str, str] = {
+    "start": "a start of the run: plugins (name and version), config_hash, world_size, resuming",
+    "resume": "a checkpoint was restored: from_step, checkpoint",
+    "checkpoint_saved": "a checkpoint was written: checkpoint, seconds, bytes",
+    "checkpoint_skipped": "a checkpoint was passed over when loading: checkpoint, reason",
+    "checkpoint_failed": "a checkpoint save failed: reason",
+    "nonfinite_step": "a NaN/Inf loss or gradient: loss, grad_norm, action (skip, rollback, stop)",
+    "preemption": "a preemption signal was acted on: signal",
+    "evaluation": "an evaluation finished: its metrics",
+    "hang": "no optimizer step within resilience.hang_timeout: stacks (the file written), seconds",
+    "error": "the run stopped on an error: exit_code, error",
+    "end": "the run ended: status, exit_code",
+}
+
+_PLUGIN_TYPE = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+")
+
+
+class EventLog:
+    """Appends events to ``path`` for one rank; ``step`` is kept current by the training loop."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        self.path, self.rank, self.step = path, rank, 0
+        self._broken = False
+
+    def record(self, type: str, **fields: Any) -> None:
+        if self._broken:
+            return
+        line = {"time": round(time.time(), 3), "rank": self.rank, "step": self.step, "type": type}
+        line.update((str(key), _plain(value)) for key, value in fields.items() if key not in line)
+        data = (json.dumps(line, allow_nan=False) + "\n").encode()
+        try:
+            descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(descriptor, data)
+            finally:
+                os.close(descriptor)
+        except OSError as exc:
+            self._broken = True
+            print(
+                f"forge: warning: cannot write the event log {self.path} ({exc}); events are not recorded",
+                file=sys.stderr,
+            )
+
+
+_current: EventLog | None = None
+
+
+def open_log(run_dir: Path, rank: int) -> EventLog:
+    """Make ``<run_dir>/events.jsonl`` the log that :func:`record` writes to in this process."""
+    global _current
+    _current = EventLog(Path(run_dir) / EVENTS_FILE, rank)
+    return _current
+
+
+def close_log() -> None:
+    global _current
+    _current = None
+
+
+def current() -> EventLog | None:
+    return _current
+
+
+def set_step(step: int) -> None:
+    if _current is not None:
+        _current.step = step
+
+
+def record(type: str, **fields: Any) -> None:
+    """Record an event in the running training's log (nothing outside a run).
+
+    ``type`` is one of :data:`EVENT_TYPES`, or ``<plugin>/<what>`` for a plugin's own events;
+    ``fields`` are JSON values (anything else is written as its ``repr``)."""
+    if not isinstance(type, str) or not (type in EVENT_TYPES or _PLUGIN_TYPE.fullmatch(type)):
+        raise ValueError(
+            f"event type {type!r} is neither one of Forge's ({', '.join(EVENT_TYPES)}) nor a plugin's own "
+            "'<plugin>/<what>'"
+        )
+    if _current is not None:
+        _current.record(type, **fields)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON can hold it: non-finite numbers as strings, unknown objects as repr."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    item = getattr(value, "item", None)  # a one-element tensor or numpy number
+    if callable(item):
+        try:
+            number = item()
+        except (TypeError, ValueError, RuntimeError):
+            number = None
+        if isinstance(number, bool | int | float):
+            return _plain(number)
+    return repr(value)
