@@ -162,7 +162,7 @@ def test_metrics_backends_dump_as_a_name_list_and_one_table_per_backend_with_opt
         "log_interval": 10,
         "backends": ["forge-lm:jsonl", "console"],
         "jsonl": {"filename": "metrics.jsonl"},
-        "console": {"digits": 4},
+        "console": {"digits": 4, "smoothing": 0.9},
     }
 
 

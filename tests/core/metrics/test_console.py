@@ -11,6 +11,7 @@ from rich.console import Console
 
 from forge_lm.components import MetricsContext
 from forge_lm.config import structure_options
+from forge_lm.errors import ConfigError
 from forge_lm.metrics.console import ConsoleBackend
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.testing._references import read_console
@@ -46,8 +47,8 @@ def test_off_a_terminal_each_step_is_one_plain_line(manager, capsys):
 
     assert capsys.readouterr().out == (
         "plugins: core.metrics (forge-lm 0.1.0)\n"
-        "step 1 | loss 3.25 | lr 0.0001\n"
-        "step 2 | loss 2 | lr 0.00025 | tokens_per_sec 12345 | grad_norm nan\n"
+        "step 1 | loss 3.25 | loss_avg 3.25 | lr 0.0001\n"  # the first average is the first loss
+        "step 2 | loss 2 | loss_avg 2.592 | lr 0.00025 | tokens_per_sec 12345 | grad_norm nan\n"
         "summary: final_loss 2 | tokens 4096\n"
     )
 
@@ -62,7 +63,7 @@ def moe_like_step(loss: float) -> dict[str, float]:
 
 
 def test_off_a_terminal_per_layer_metrics_are_counted_once_and_left_to_metrics_jsonl(manager, capsys):
-    backend = build(manager, total_steps=10)
+    backend = build(manager, total_steps=10, smoothing=0)
 
     backend.start({}, MANIFEST)
     backend.log(1, moe_like_step(5.5))
@@ -93,7 +94,9 @@ def test_off_a_terminal_a_few_other_metrics_stay_on_the_line(manager, capsys):
     backend.log(1, {"loss": 3.0, "loss/z": 0.25, "router/balance": 0.5, "lr": 0.01})
     backend.finish({})
 
-    assert capsys.readouterr().out.splitlines()[1:] == ["step 1 | loss 3 | loss/z 0.25 | router/balance 0.5 | lr 0.01"]
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "step 1 | loss 3 | loss_avg 3 | loss/z 0.25 | router/balance 0.5 | lr 0.01"
+    ]
 
 
 def test_off_a_terminal_new_left_out_metrics_get_a_note_of_their_own(manager, capsys):
@@ -117,7 +120,7 @@ def test_digits_sets_the_significant_digits_of_plain_lines(manager, capsys):
     backend.log(7, {"loss": 3.14159, "lr": 0.000123456})
     backend.finish({})
 
-    assert capsys.readouterr().out.splitlines()[1:] == ["step 7 | loss 3.1 | lr 0.00012"]
+    assert capsys.readouterr().out.splitlines()[1:] == ["step 7 | loss 3.1 | loss_avg 3.1 | lr 0.00012"]
 
 
 def test_live_false_keeps_plain_lines_even_on_a_terminal(monkeypatch):
@@ -144,7 +147,7 @@ def test_a_terminal_stdout_gets_the_live_display_instead_of_lines(manager, monke
     out = terminal.getvalue()
     assert "step 3 | loss" not in out  # no plain line
     assert "3/10" in out
-    assert "loss 1.5 | lr 0.001" in out
+    assert "loss 1.5 (avg 1.5) | lr 0.001" in out
     assert "summary: final_loss 1.5" in out
 
 
@@ -219,3 +222,120 @@ def test_a_narrow_terminal_crops_the_values_but_keeps_the_step_count_and_eta():
     lines = buffer.getvalue().replace("\r", "\n").splitlines()
     assert any("1500/2000" in line and "eta" in line for line in lines)
     assert "loss 3.539 | lr 0.0001018 | 1,549 tok/s…" in lines  # 40 columns, the last an ellipsis
+
+
+def weighted_mean(losses: list[float], weight: float) -> float:
+    """The debiased moving average written out: the mean of the losses, the latest weighing 1,
+    each older one ``weight`` times its successor."""
+    n = len(losses)
+    weights = [weight ** (n - 1 - i) for i in range(n)]
+    return sum(w * x for w, x in zip(weights, losses, strict=True)) / sum(weights)
+
+
+def test_loss_avg_is_the_debiased_moving_average_of_the_logged_losses(manager, capsys):
+    losses = [4.0, 3.0, 3.5, 2.0, 2.25]
+    backend = build(manager, digits=12, smoothing=0.8)
+
+    backend.start({}, MANIFEST)
+    for i, loss in enumerate(losses):
+        backend.log(10 * (i + 1), {"loss": loss, "lr": 0.001})
+    backend.finish({})
+
+    recorded = read_console(Path("."), capsys.readouterr().out)
+    assert [step for step, _ in recorded] == [10, 20, 30, 40, 50]
+    averages = [metrics["loss_avg"] for _, metrics in recorded]
+    assert averages == pytest.approx([weighted_mean(losses[: n + 1], 0.8) for n in range(len(losses))], rel=1e-10)
+    assert averages[0] == 4.0  # debiased: not 0.2 * 4.0, as an average starting from 0 would be
+    assert averages[1] == pytest.approx((0.8 * 4.0 + 3.0) / 1.8, rel=1e-10)
+
+
+def test_the_default_smoothing_is_0_9(manager, capsys):
+    backend = build(manager, digits=12)
+
+    backend.start({}, MANIFEST)
+    backend.log(1, {"loss": 3.0})
+    backend.log(2, {"loss": 1.0})
+    backend.finish({})
+
+    (_, first), (_, second) = read_console(Path("."), capsys.readouterr().out)
+    assert first["loss_avg"] == 3.0
+    assert second["loss_avg"] == pytest.approx((0.9 * 3.0 + 1.0) / 1.9, rel=1e-10)
+
+
+def test_smoothing_0_shows_no_average(manager, capsys):
+    backend = build(manager, smoothing=0)
+
+    backend.start({}, MANIFEST)
+    backend.log(1, {"loss": 3.0, "lr": 0.01})
+    backend.finish({})
+
+    assert capsys.readouterr().out.splitlines()[1:] == ["step 1 | loss 3 | lr 0.01"]
+
+
+def test_evaluations_and_non_finite_losses_leave_the_average_alone(manager, capsys):
+    backend = build(manager, digits=12, smoothing=0.5)
+
+    backend.start({}, MANIFEST)
+    backend.log(1, {"loss": 4.0})
+    backend.log(1, {"eval/loss": 100.0})
+    backend.log(2, {"loss": float("nan")})
+    backend.log(3, {"loss": float("inf")})
+    backend.log(4, {"loss": 2.0})
+    backend.finish({})
+
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert lines[:4] == [
+        "step 1 | loss 4 | loss_avg 4",
+        "step 1 | eval/loss 100",  # no training loss: no average either
+        "step 2 | loss nan | loss_avg 4",
+        "step 3 | loss inf | loss_avg 4",
+    ]
+    assert read_console(Path("."), lines[4])[0][1]["loss_avg"] == pytest.approx(weighted_mean([4.0, 2.0], 0.5))
+
+
+def test_a_first_loss_that_is_not_finite_has_no_average_yet(capsys):
+    backend = ConsoleBackend(digits=4, live=False, smoothing=0.9)
+
+    backend.start({}, MANIFEST)
+    backend.log(1, {"loss": float("nan")})
+    backend.log(2, {"loss": 2.5})
+    backend.finish({})
+
+    assert capsys.readouterr().out.splitlines()[1:] == ["step 1 | loss nan", "step 2 | loss 2.5 | loss_avg 2.5"]
+
+
+@pytest.mark.parametrize("value", [1, 1.5, -0.1])
+def test_smoothing_outside_0_to_1_is_refused(manager, value):
+    with pytest.raises(ConfigError, match=r"\[metrics.console\] smoothing: must be at least 0 and below 1"):
+        build(manager, smoothing=value)
+
+
+def test_live_display_shows_the_average_beside_the_loss():
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=160, color_system=None)
+    backend = ConsoleBackend(digits=4, total_steps=100, console=console, smoothing=0.9)
+
+    backend.start({}, MANIFEST)
+    backend.log(10, {"loss": 3.0, "lr": 0.001})
+    first = buffer.getvalue()
+    backend.log(20, {"loss": 1.0, "lr": 0.001})
+    backend.log(20, {"eval/loss": 2.5})
+    backend.finish({})
+    out = buffer.getvalue()
+
+    assert "loss 3 (avg 3) | lr 0.001" in first
+    average = f"{(0.9 * 3.0 + 1.0) / 1.9:.4g}"  # 1.947
+    assert f"loss 1 (avg {average}) | lr 0.001" in out
+    assert f"loss 1 (avg {average}) | eval 2.5 | lr 0.001" in out  # an evaluation keeps the average shown
+    assert "step 20 | eval/loss 2.5" in out
+
+
+def test_live_display_without_smoothing_shows_the_loss_alone():
+    backend, buffer = live_backend(total_steps=10)  # built directly: smoothing defaults to 0 there
+
+    backend.start({}, MANIFEST)
+    backend.log(1, {"loss": 1.25, "lr": 0.5})
+    backend.finish({})
+
+    assert "loss 1.25 | lr 0.5" in buffer.getvalue()
+    assert "avg" not in buffer.getvalue()

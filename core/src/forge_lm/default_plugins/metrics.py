@@ -23,9 +23,18 @@ def _inside_the_run_directory(instance: Any, attribute: Any, value: str) -> None
         )
 
 
+def _smoothing_weight(instance: Any, attribute: Any, value: float) -> None:
+    # 1 would never move the average off its start (and its debiasing would divide by 0).
+    if not 0.0 <= value < 1.0:
+        raise FieldError(attribute.name, f"must be at least 0 and below 1 (0 turns it off), got {value!r}")
+
+
 @attrs.define
 class ConsoleOptions:
     digits: int = attrs.field(default=4, validator=positive)  # significant digits per value
+    # Weight of the moving average shown beside the loss (loss_avg), updated at each logged
+    # step: avg = smoothing * avg + (1 - smoothing) * loss, debiased; 0 shows no average.
+    smoothing: float = attrs.field(default=0.9, validator=_smoothing_weight)
 
 
 def _a_file_of_the_run_directory(instance: Any, attribute: Any, value: str) -> None:

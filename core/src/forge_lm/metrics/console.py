@@ -7,6 +7,20 @@ a log and which ``forge_lm.testing``'s reader parses. A line holds the headline 
 lr, grad_norm, tokens_per_sec, mfu, eval/*) and the others only while they are few: an MoE
 run's per-layer statistics are left to metrics.jsonl, with one note saying how many there
 are. rich is imported only for the live display, so plain mode costs nothing.
+
+Beside the loss goes its smoothed value, an exponential moving average over the logged steps
+(one value every ``metrics.log_interval`` training steps, not every step) with the weight
+``[metrics.console] smoothing`` (0.9 by default; 0 turns it off)::
+
+    biased = smoothing * biased + (1 - smoothing) * loss      # biased starts at 0
+    avg = biased / (1 - smoothing ** n)                       # n: losses averaged so far
+
+The division is TensorBoard's debiasing: without it the first averages would be pulled
+towards the 0 the average starts from; with it the first average is the first loss. A plain
+line shows it as its own column, ``step 20 | loss 3.1 | loss_avg 3.25 | ...``, the live
+display as ``loss 3.1 (avg 3.25)``. A loss that is not finite (NaN, inf) is shown but left out
+of the average, which stays that of the finite losses so far. Only the console shows the
+average: metrics.jsonl and the other backends get the raw loss.
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ from forge_lm.components import MetricsContext
 from forge_lm.metrics import EVAL_LOSS, LEARNING_RATE, LOSS, MFU, TOKENS_PER_SECOND
 
 HEADLINE = (LOSS, LEARNING_RATE, "grad_norm", TOKENS_PER_SECOND, MFU)  # and every eval/* key
+LOSS_AVERAGE = "loss_avg"  # the column of the smoothed loss on plain lines
 MAX_OTHER_KEYS = 4  # a plain line shows the other keys of a step only if there are at most this many
 
 
@@ -28,14 +43,19 @@ class ConsoleBackend:
 
     ``console`` is a ``rich.console.Console`` to draw on (tests pass one writing to a buffer);
     without it, the backend decides at :meth:`start` from ``sys.stdout.isatty()``.
-    ``live=False`` keeps plain lines even on a terminal.
+    ``live=False`` keeps plain lines even on a terminal. ``smoothing`` is the weight of the
+    loss's moving average (see the module's docstring); 0, the default here, shows none (the
+    backend built from a config gets ``[metrics.console] smoothing``, 0.9 by default).
     """
 
-    def __init__(self, digits: int, total_steps: int = 0, *, live: bool = True, console: Any = None) -> None:
+    def __init__(
+        self, digits: int, total_steps: int = 0, *, live: bool = True, console: Any = None, smoothing: float = 0.0
+    ) -> None:
         self.digits = digits
         self.total_steps = total_steps
         self.live = live
         self._console = console
+        self._loss_average = MovingAverage(smoothing) if smoothing > 0 else None
         self._display: _LiveDisplay | None = None
         self._left_out: set[str] = set()  # keys plain lines leave out, already noted
 
@@ -57,8 +77,11 @@ class ConsoleBackend:
         print(f"plugins: {plugins}", file=sys.stdout, flush=True)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        average = None
+        if self._loss_average is not None and LOSS in metrics:
+            average = self._loss_average.update(metrics[LOSS])
         if self._display is not None:
-            self._display.update(step, metrics)
+            self._display.update(step, metrics, average)
             return
         shown, left_out = _plain_selection(metrics)
         if not left_out <= self._left_out:  # once per new set of keys, not on every line
@@ -71,7 +94,12 @@ class ConsoleBackend:
                 file=sys.stdout,
                 flush=True,
             )
-        print(" | ".join([f"step {step}", *self.format_pairs(shown)]), file=sys.stdout, flush=True)
+        pairs = []
+        for key, value in shown.items():
+            pairs.append(f"{key} {self.format_value(value)}")
+            if key == LOSS and average is not None:
+                pairs.append(f"{LOSS_AVERAGE} {self.format_value(average)}")
+        print(" | ".join([f"step {step}", *pairs]), file=sys.stdout, flush=True)
 
     def finish(self, summary: Mapping[str, float]) -> None:
         line = "summary: " + " | ".join(self.format_pairs(summary)) if summary else None
@@ -83,6 +111,32 @@ class ConsoleBackend:
             return
         if line:
             print(line, file=sys.stdout, flush=True)
+
+
+class MovingAverage:
+    """An exponential moving average with weight ``smoothing`` in [0, 1), debiased as
+    TensorBoard's smoothing is, so that it does not start near 0. Values that are not finite
+    are left out."""
+
+    def __init__(self, smoothing: float) -> None:
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing must be at least 0 and below 1, got {smoothing!r}")
+        self.smoothing = smoothing
+        self._biased = 0.0
+        self._count = 0
+
+    def update(self, value: float) -> float | None:
+        """Fold ``value`` in; return the average so far (None while no finite value came)."""
+        if isinstance(value, int | float) and math.isfinite(value):
+            self._biased = self.smoothing * self._biased + (1.0 - self.smoothing) * value
+            self._count += 1
+        return self.value
+
+    @property
+    def value(self) -> float | None:
+        if self._count == 0:
+            return None
+        return self._biased / (1.0 - self.smoothing**self._count)
 
 
 def _plain_selection(metrics: Mapping[str, float]) -> tuple[dict[str, float], set[str]]:
@@ -98,7 +152,7 @@ class _LiveDisplay:
     """A rich progress display of two lines, the bar and the latest values::
 
         step 120/1000 ━━━━━╸────────────  12% eta 0:04:10
-        loss 3.2 | lr 0.0003 | 51,200 tok/s | mfu 38.5%
+        loss 3.2 (avg 3.35) | lr 0.0003 | 51,200 tok/s | mfu 38.5%
 
     The values get a line of their own so that a narrow terminal crops them, never the step
     count or the ETA.
@@ -122,11 +176,14 @@ class _LiveDisplay:
         total = backend.total_steps or None  # None: an unknown length, drawn as a pulsing bar
         self._task = self.progress.add_task("train", total=total, stats="waiting for the first step")
         self._latest: dict[str, float] = {}
+        self._average: float | None = None  # the smoothed loss, None when off or not yet known
 
-    def update(self, step: int, metrics: Mapping[str, float]) -> None:
+    def update(self, step: int, metrics: Mapping[str, float], average: float | None = None) -> None:
         # The values line shows the latest value of each key, so an evaluation (which logs only
         # eval/* keys) adds its loss without wiping the training loss and throughput.
         self._latest.update(metrics)
+        if LOSS in metrics:
+            self._average = average
         # rich's speed (hence the ETA) ignores the amount of the first update, so a resumed run
         # jumping from 0 to its late first step does not look fast. Refresh on every logged
         # step, not only on rich's timer, so that each one is drawn.
@@ -140,7 +197,8 @@ class _LiveDisplay:
         fmt = self.backend.format_value
         parts = []
         if LOSS in metrics:
-            parts.append(f"loss {fmt(metrics[LOSS])}")
+            average = f" (avg {fmt(self._average)})" if self._average is not None else ""
+            parts.append(f"loss {fmt(metrics[LOSS])}{average}")
         if EVAL_LOSS in metrics:
             parts.append(f"eval {fmt(metrics[EVAL_LOSS])}")
         if LEARNING_RATE in metrics:
@@ -172,4 +230,4 @@ def _two_line_progress_class() -> type:
 
 
 def build_console(options, context: MetricsContext) -> ConsoleBackend:
-    return ConsoleBackend(options.digits, context.total_steps)
+    return ConsoleBackend(options.digits, context.total_steps, smoothing=options.smoothing)
