@@ -29,6 +29,7 @@ PACKAGES = {  # distribution name -> its directory; the order of PACKAGES in the
     "forge-moe": REPO / "plugins" / "forge-moe",
     "forge-optim-muon": REPO / "plugins" / "forge-optim-muon",
     "forge-wandb": REPO / "plugins" / "forge-wandb",
+    "forge-prometheus": REPO / "plugins" / "forge-prometheus",
 }
 CORE = "forge-lm"
 

@@ -146,6 +146,13 @@ CASES = [
         (*SYNTHETIC, '--metrics.backends=["jsonl", "wandb"]', "--metrics.wandb.mode=offline"),
         ("unknown metrics backend 'wandb'.", "pip install forge-wandb"),
     ),
+    PluginCase(
+        "forge-prometheus",
+        "prometheus",
+        {"metrics_backends": {"prometheus"}},
+        (*SYNTHETIC, '--metrics.backends=["jsonl", "prometheus"]', "--metrics.prometheus.port=0"),
+        ("unknown metrics backend 'prometheus'.", "pip install forge-prometheus"),
+    ),
 ]
 
 

@@ -14,11 +14,11 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     "feed_forwards": {"moe": "forge-moe"},
     "routers": {"softmax_topk": "forge-moe", "sigmoid_topk": "forge-moe"},
     "model_transforms": {"expert_parallel": "forge-moe", "moe_load_sync": "forge-moe"},
-    "metrics_backends": {"wandb": "forge-wandb"},
+    "metrics_backends": {"wandb": "forge-wandb", "prometheus": "forge-prometheus"},
 }
 
 
-FIRST_PARTY = ("forge-moe", "forge-optim-muon", "forge-wandb")
+FIRST_PARTY = ("forge-moe", "forge-optim-muon", "forge-prometheus", "forge-wandb")
 
 
 def known_provider(category: str, name: str) -> str | None:

@@ -1,0 +1,1 @@
+"""forge-prometheus: a Prometheus metrics backend for Forge."""

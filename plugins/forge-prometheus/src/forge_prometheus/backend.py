@@ -1,0 +1,227 @@
+"""The ``prometheus`` metrics backend: a run's latest metrics, served over HTTP for scraping.
+
+Building the backend binds its listening socket, so a port that is taken stops the run before
+it trains, with a :class:`~forge_lm.errors.PluginError` that names ``[metrics.prometheus] port``.
+``start()`` serves the socket from a daemon thread and prints the address; ``log()`` replaces
+the values a scrape returns; ``finish()`` stops the server and closes the socket.
+
+Each metric key becomes one label-free gauge holding the last value logged for it, named by
+:func:`metric_name` (``eval/loss`` -> ``forge_eval_loss``); ``forge_step`` is the step of the
+last ``log()`` call. The gauges live in a registry of their own, never in prometheus_client's
+global one, so a scrape returns the run's metrics and nothing else.
+
+Values are untrusted: NaN and infinities are served as they are (Prometheus' text format has
+``NaN``, ``+Inf`` and ``-Inf``), and a value that is not a real number is served as ``NaN``,
+with one :class:`PrometheusBackendWarning` per metric. A key whose name is already taken by
+another key (``eval/loss`` and ``eval_loss``) is not served, with one warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import numbers
+import re
+import socket
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+from forge_lm.components import MetricsContext
+from forge_lm.errors import PluginError
+
+INSTALL_HINT = "pip install forge-prometheus"
+_NOT_IN_A_NAME = re.compile(r"[^a-zA-Z0-9_]")
+
+
+class PrometheusBackendWarning(UserWarning):
+    """A logged metric could not be served as it is (not a number, or a name already taken)."""
+
+
+def metric_name(prefix: str, key: str) -> str:
+    """The Prometheus name of metric ``key``: ``prefix`` then the key, each character that
+    may not be in a name replaced by ``_`` (``eval/loss`` -> ``forge_eval_loss``)."""
+    name = prefix + _NOT_IN_A_NAME.sub("_", key)
+    return name if name and not name[0].isdigit() else "_" + name
+
+
+def _as_number(value: Any) -> float | None:
+    """``value`` as a float, or None when it is not a real number (a bool, a string, None...)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except Exception:  # noqa: BLE001 - a number-like object whose float() fails is not a number
+        return None
+
+
+class _LatestValues:
+    """The collector the registry asks at each scrape: the last value of each metric.
+
+    ``update`` (the training thread) and ``collect`` (a server thread) share one lock, so a
+    scrape sees all the metrics of one ``log()`` call or none of them.
+    """
+
+    def __init__(self, prefix: str, gauge: type) -> None:
+        self._prefix = prefix
+        self._gauge = gauge  # prometheus_client's GaugeMetricFamily
+        self._lock = threading.Lock()
+        self._step: int | None = None
+        self._values: dict[str, tuple[str, float]] = {}  # name -> (key, value), in first-logged order
+        self._names: dict[str, str | None] = {}  # key -> its name, None where another key holds it
+        self._warned: set[str] = set()  # keys warned about for a value that is not a number
+
+    def update(self, step: int, metrics: Mapping[Any, Any]) -> None:
+        step_name = self._prefix + "step"
+        with self._lock:
+            for raw_key, raw_value in metrics.items():
+                key = str(raw_key)
+                if key not in self._names:
+                    self._names[key] = self._claim(key, step_name)
+                name = self._names[key]
+                if name is None:
+                    continue
+                value = _as_number(raw_value)
+                if value is None:
+                    value = float("nan")
+                    if key not in self._warned:
+                        self._warned.add(key)
+                        _warn(
+                            f"metric {key!r} was logged as a value of type {type(raw_value).__name__}, not a real "
+                            f"number a float can hold; {name} is NaN until it is one (this warning is not repeated)"
+                        )
+                self._values[name] = (key, value)
+            self._step = step
+
+    def _claim(self, key: str, step_name: str) -> str | None:
+        """The name of a key logged for the first time; None, with a warning, if it is taken."""
+        name = metric_name(self._prefix, key)
+        holders = ["the step"] if name == step_name else [f"metric {k!r}" for k, n in self._names.items() if n == name]
+        if not holders:
+            return name
+        _warn(f"metric {key!r} is not served: its name, {name}, already names {holders[0]}", stacklevel=5)
+        return None
+
+    def collect(self) -> Iterator[Any]:
+        with self._lock:
+            step, values = self._step, list(self._values.items())
+        if step is None:
+            return
+        yield self._gauge(self._prefix + "step", "Optimizer step of the last metrics Forge logged", value=step)
+        for name, (key, value) in values:
+            yield self._gauge(name, f"Last value Forge logged for metric {key!r}", value=value)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """No line per scrape on the run's standard error."""
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress never keeps the process alive
+    allow_reuse_port = False  # a second run on the same port must fail, not share it
+
+
+class PrometheusBackend:
+    def __init__(self, options: Any, server: _Server, collector: _LatestValues) -> None:
+        self.options = options
+        self._server = server
+        self._collector = collector
+        self._thread: threading.Thread | None = None
+        # Closes the socket even when start() never comes (another component failed to build).
+        self._close = weakref.finalize(self, server.server_close)
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on (the one the system chose when ``port = 0``)."""
+        return self._server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = self._server.server_address[0]
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
+
+    def start(self, config: Mapping[str, Any], manifest: Sequence[Mapping[str, str]]) -> None:
+        if self._thread is not None or not self._close.alive:
+            return
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="forge-prometheus", kwargs={"poll_interval": 0.1}, daemon=True
+        )
+        self._thread.start()
+        print(f"forge-prometheus: serving the run's metrics at {self.url}", file=sys.stderr, flush=True)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._collector.update(step, metrics)
+
+    def finish(self, summary: Mapping[str, float]) -> None:
+        if self._thread is not None:
+            self._server.shutdown()  # returns once serve_forever has stopped
+            self._thread.join()
+            self._thread = None
+        self._close()
+
+
+def _warn(message: str, stacklevel: int = 4) -> None:
+    """Warn where the backend's ``log()`` was called."""
+    warnings.warn(message, PrometheusBackendWarning, stacklevel=stacklevel)
+
+
+def _import_prometheus_client() -> tuple[type, type, Any]:
+    """prometheus_client's ``CollectorRegistry``, ``GaugeMetricFamily`` and ``make_wsgi_app``."""
+    try:
+        from prometheus_client import CollectorRegistry, make_wsgi_app
+        from prometheus_client.core import GaugeMetricFamily
+    except ImportError as exc:
+        raise PluginError(
+            f"metrics backend 'prometheus' needs the prometheus-client package, which cannot be imported ({exc}). "
+            f"Install it with `{INSTALL_HINT}`, or remove 'prometheus' from [metrics] backends."
+        ) from None
+    return CollectorRegistry, GaugeMetricFamily, make_wsgi_app
+
+
+def _listen(addr: str, port: int, app: Any) -> _Server:
+    """A server bound to ``addr:port``, not serving yet; a PluginError naming the option to
+    change when the address cannot be had."""
+    where = f"{addr}:{port}"
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise PluginError(
+            f"metrics backend 'prometheus' cannot listen on {where}: {addr!r} is not an address of this machine "
+            f"({exc}). Change [metrics.prometheus] addr, e.g. to '127.0.0.1' or '0.0.0.0'."
+        ) from None
+
+    class Server(_Server):
+        address_family = family
+
+    try:
+        server = Server(sockaddr[:2], _QuietHandler)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            problem = "the port is already in use (another run, or another program, listens on it)"
+            fix = "Change [metrics.prometheus] port, or set it to 0 to take any free port (the run prints which)"
+        elif exc.errno == errno.EACCES:
+            problem = "permission denied (ports below 1024 need privileges)"
+            fix = "Change [metrics.prometheus] port to one above 1023, or to 0 to take any free port"
+        else:
+            problem = exc.strerror or str(exc)
+            fix = "Change [metrics.prometheus] addr (to one of this machine, like '127.0.0.1' or '0.0.0.0') or port"
+        raise PluginError(f"metrics backend 'prometheus' cannot listen on {where}: {problem}. {fix}.") from None
+    server.set_app(app)
+    return server
+
+
+def build_prometheus(options: Any, context: MetricsContext) -> PrometheusBackend:
+    # Imported and bound here, not at start(), so that a missing prometheus-client or a port
+    # in use stops the run before it trains. The core builds metrics backends on its main
+    # process only: one server per run, however many ranks train.
+    collector_registry, gauge, make_wsgi_app = _import_prometheus_client()
+    collector = _LatestValues(options.prefix, gauge)
+    registry = collector_registry(auto_describe=False)  # the run's own, not prometheus_client's global REGISTRY
+    registry.register(collector)
+    server = _listen(options.addr, options.port, make_wsgi_app(registry))
+    return PrometheusBackend(options, server, collector)
