@@ -1,7 +1,9 @@
 """The one exception family for mistakes a user can fix.
 
-The CLI prints a :class:`ForgeError` as its message alone (no traceback) and exits with
-:data:`USAGE_EXIT_CODE`. Anything else that escapes is a bug in Forge or in a plugin.
+The CLI prints a :class:`ForgeError` as its message alone (no traceback) and exits with its
+``exit_code``: :data:`USAGE_EXIT_CODE` unless a subclass says otherwise (a stop that a job
+script may act on has a code of its own). Anything else that escapes is a bug in Forge or in
+a plugin.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ USAGE_EXIT_CODE = 2
 
 class ForgeError(Exception):
     """Something the user can fix: the message says what was wrong, where, and what is right."""
+
+    exit_code = USAGE_EXIT_CODE
 
 
 class ConfigError(ForgeError):

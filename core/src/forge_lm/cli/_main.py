@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from forge_lm.errors import USAGE_EXIT_CODE, ForgeError, UsageError
+from forge_lm.errors import ForgeError, UsageError
 from forge_lm.plugins import (
     ENV_ALLOW,
     ENV_BLOCK,
@@ -32,9 +32,11 @@ COMMANDS: dict[str, str] = {
     "train": "forge_lm.cli._train",
     "generate": "forge_lm.cli._generate",
     "prepare-data": "forge_lm.cli._prepare_data",
+    "train-tokenizer": "forge_lm.cli._train_tokenizer",
     "export-hf": "forge_lm.cli._export_hf",
     "import-hf": "forge_lm.cli._import_hf",
     "plot": "forge_lm.cli._plot",
+    "profile": "forge_lm.cli._profile",
     "list-plugins": "forge_lm.cli._list_plugins",
     "config": "forge_lm.cli._config",
     "doctor": "forge_lm.cli._doctor",
@@ -128,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return module.run(args, rest, lambda: plugin_manager(args))
     except ForgeError as exc:
         print(f"forge: error: {exc}", file=sys.stderr)
-        return USAGE_EXIT_CODE
+        return exc.exit_code
     except KeyboardInterrupt:
         print("forge: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
