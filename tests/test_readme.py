@@ -44,10 +44,12 @@ def test_readme_torchrun_command_trains_on_two_cpu_ranks(tmp_path):
 def test_readme_exit_codes_are_the_ones_forge_train_uses():
     """Every exit code the README lists for `forge train` is a constant of the code, and back."""
     from forge_lm.cli._main import INTERRUPTED_EXIT_CODE
+    from forge_lm.distributed.health import HEALTH_EXIT_CODE
     from forge_lm.errors import USAGE_EXIT_CODE
     from forge_lm.plugins import PLUGIN_HOOK_EXIT_CODE
     from forge_lm.train.resilience import FORCED_EXIT_CODE, NONFINITE_EXIT_CODE, PREEMPTED_EXIT_CODE
     from forge_lm.train.saving import SAVE_FAILED_EXIT_CODE
+    from forge_lm.train.watchdog import HANG_EXIT_CODE
 
     paragraph = re.search(r"Exit codes of `forge train`: (.*?)\n\n", README.read_text(), flags=re.DOTALL).group(1)
     listed = {int(code) for code in re.findall(r"`(\d+)`", paragraph)}
@@ -59,6 +61,8 @@ def test_readme_exit_codes_are_the_ones_forge_train_uses():
         SAVE_FAILED_EXIT_CODE,
         PREEMPTED_EXIT_CODE,
         FORCED_EXIT_CODE,
+        HANG_EXIT_CODE,
+        HEALTH_EXIT_CODE,
         INTERRUPTED_EXIT_CODE,
     }
 

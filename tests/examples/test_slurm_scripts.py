@@ -145,3 +145,29 @@ def test_a_rank_that_only_heard_of_the_signal_from_another_names_it_so(slurm, tm
     assert job.returncode == 0, err
     assert "forge: SIGTERM or SIGUSR1 (sent to another rank) received: saved a checkpoint at step" in err  # rank 0
     assert "forge: SIGTERM received: saved a checkpoint at step" in err  # rank 1's
+
+
+EXITING_SRUN = """#!/bin/bash
+exit "$FAKE_SRUN_EXIT"
+"""
+
+
+@pytest.mark.parametrize(
+    ("code", "requeued"),
+    [(75, True), (76, True), (77, True), (0, False), (1, False), (3, False), (78, False)],
+)
+def test_the_job_requeues_on_preemption_and_hang_codes_only(slurm, tmp_path, code, requeued):
+    """75 (preempted), 76 (its save cut off) and 77 (a hang) requeue and end the job well; any
+    other code, the health check's 78 included (a bad node would be drawn again), is the job's."""
+    (tmp_path / "bin" / "srun").write_text(EXITING_SRUN)  # no training: the ranks' exit code alone
+    job = subprocess.run(
+        ["bash", str(SCRIPT)], env={**slurm, "FAKE_SRUN_EXIT": str(code)}, capture_output=True, text=True, timeout=60
+    )
+    log = Path(slurm["FAKE_SLURM_LOG"])
+    if requeued:
+        assert job.returncode == 0, job.stderr
+        assert f"forge stopped with {code}" in job.stdout
+        assert log.read_text() == "requeue 4242\n"
+    else:
+        assert job.returncode == code
+        assert not log.exists()

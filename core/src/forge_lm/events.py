@@ -6,8 +6,9 @@ happened) and ``type``; the other keys depend on the type. The core's types are 
 type named ``<plugin>/<what>`` (``forge-moe/expert_load``), so it can never be mistaken for
 one of the core's.
 
-Most events are recorded by rank 0 (what happened to the run); a hang and an error are
-recorded by the rank they happened on. Each line goes out in one ``write`` on a file opened
+The core's events are rank 0's (what happened to the run: the other ranks' calls are
+dropped), except a hang and an error, which each rank records for itself; a plugin's events
+are recorded on whichever rank records them. Each line goes out in one ``write`` on a file opened
 for appending, so lines from several ranks do not interleave. Recording never stops a run: a
 value JSON cannot hold is written as its ``repr``, and a log that cannot be written is
 reported once and then left alone.
@@ -41,6 +42,7 @@ EVENT_TYPES: dict[str, str] = {
     "end": "the run ended: status, exit_code",
 }
 
+_EVERY_RANK = {"hang", "error"}
 _PLUGIN_TYPE = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+")
 
 
@@ -52,7 +54,7 @@ class EventLog:
         self._broken = False
 
     def record(self, type: str, **fields: Any) -> None:
-        if self._broken:
+        if self._broken or (self.rank != 0 and type in EVENT_TYPES and type not in _EVERY_RANK):
             return
         line = {"time": round(time.time(), 3), "rank": self.rank, "step": self.step, "type": type}
         line.update((str(key), _plain(value)) for key, value in fields.items() if key not in line)
@@ -130,3 +132,13 @@ def _plain(value: Any) -> Any:
         if isinstance(number, bool | int | float):
             return _plain(number)
     return repr(value)
+
+
+def exit_code_of(error: BaseException | None) -> int:
+    """The exit code ``forge train`` ends with for ``error`` (None: a run that completed)."""
+    if error is None:
+        return 0
+    if isinstance(error, KeyboardInterrupt):
+        return 130
+    code = getattr(error, "exit_code", None)  # ForgeError and the stops a job script acts on
+    return code if isinstance(code, int) else 1

@@ -76,6 +76,7 @@ def test_healthy_cpu_environment_passes_every_check_with_exit_0(doctor):
         "dependencies": "ok",
         "gpu": "ok",
         "distributed": "ok",
+        "health": "ok",
         "core plugins": "ok",
         "plugin moe": "ok",  # installed but disabled by the switch: deliberate, so fine
         "plugin muon": "ok",

@@ -130,6 +130,17 @@ def forge_train(site: Path, run_dir: Path, *overrides: str, **faults: str) -> su
     )
 
 
+def events(run_dir: Path, **where: object) -> list[dict]:
+    """The run's events.jsonl records, those whose fields match ``where``."""
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return [r for r in records if all(r.get(key) == value for key, value in where.items())]
+
+
+def kinds(run_dir: Path) -> list[str]:
+    return [record["type"] for record in events(run_dir)]
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     """Loss per step; where a step was logged twice (redone after a resume), the later record."""
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
@@ -155,6 +166,32 @@ def test_signal_saves_exits_75_and_resume_is_bitwise_identical(site, straight, t
     assert "resumed from" in resumed.stderr
     assert "(step 6)" in resumed.stderr
     assert losses(run_dir) == straight  # bit for bit, every step
+    # The event log tells the same story as data: two starts, the preemption, the resume.
+    assert kinds(run_dir) == [
+        "start", "checkpoint_saved", "checkpoint_saved", "preemption", "end",
+        "start", "resume", "checkpoint_saved", "checkpoint_saved", "end",
+    ]  # fmt: skip
+    first, _, _, preempted, stopped_end, second, resume, _, _, last = events(run_dir)
+    assert (first["resuming"], first["step"], first["rank"], first["world_size"]) == (False, 0, 0, 1)
+    assert first["config_hash"] == second["config_hash"]
+    assert len(first["config_hash"]) == 16
+    assert any(plugin["name"] == "faults" for plugin in first["plugins"])
+    assert (preempted["signal"], preempted["step"]) == (sig, 6)
+    assert (stopped_end["status"], stopped_end["exit_code"]) == ("interrupted", 75)
+    assert (second["resuming"], resume["from_step"], resume["checkpoint"]) == (True, 6, "step_6")
+    saved = events(run_dir, type="checkpoint_saved")
+    assert [(e["step"], e["checkpoint"]) for e in saved] == [
+        (4, "step_4"),
+        (6, "step_6"),
+        (8, "step_8"),
+        (12, "step_12"),
+    ]
+    for event in saved:  # the size recorded is the size on disk
+        files = (run_dir / "checkpoints" / event["checkpoint"]).iterdir()
+        assert event["bytes"] == sum(f.stat().st_size for f in files)
+        assert event["seconds"] >= 0
+    assert (last["status"], last["exit_code"], last["step"]) == ("completed", 0, 12)
+    assert all(e["time"] <= f["time"] for e, f in zip(events(run_dir), events(run_dir)[1:], strict=False))
 
 
 def test_async_checkpoints_resume_bitwise_identical(site, straight, tmp_path):
@@ -173,6 +210,9 @@ def test_a_hanging_save_after_a_signal_is_cut_off_by_the_timer(site, tmp_path):
     done = forge_train(site, run_dir, "--resilience.signal_timeout=2", signal_at="6:SIGTERM", hang_save_at="6")
     assert done.returncode == 76, done.stderr
     assert "the checkpoint did not finish within 2 s" in done.stderr
+    assert events(run_dir)[-1] | {"time": 0} == {
+        "time": 0, "rank": 0, "step": 6, "type": "end", "status": "interrupted", "exit_code": 76
+    }  # fmt: skip
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_4"  # the previous one, intact
 
 
@@ -197,6 +237,10 @@ def test_a_corrupt_newest_checkpoint_is_reported_and_an_older_one_used(site, str
     resumed = forge_train(site, run_dir)
     assert resumed.returncode == 0, resumed.stderr
     assert "forge: warning: passed over checkpoint step_8:" in resumed.stderr
+    (skipped,) = events(run_dir, type="checkpoint_skipped")
+    assert skipped["checkpoint"] == "step_8"
+    assert skipped["reason"] in resumed.stderr
+    assert events(run_dir, type="resume")[0]["from_step"] == 4
     assert "(step 4)" in resumed.stderr
     assert losses(run_dir) == straight
 
@@ -211,6 +255,9 @@ def test_rollback_goes_back_to_the_checkpoint_and_past_the_bad_batch(site, tmp_p
     assert all(r["loss"] == r["loss"] for r in records)  # no NaN was ever logged as a step
     first_five, redone_five = records[4], records[6]
     assert first_five["loss"] != redone_five["loss"]  # the redone step 5 saw the next batch, not the bad one
+    (bad,) = events(run_dir, type="nonfinite_step")
+    assert (bad["step"], bad["action"], bad["loss"]) == (6, "rollback", "nan")
+    assert events(run_dir, type="resume")[0]["from_step"] == 4  # the rollback is a restore too
 
 
 def test_skip_policy_drops_the_bad_step_and_stop_policy_exits_3(site, tmp_path):
@@ -219,18 +266,32 @@ def test_skip_policy_drops_the_bad_step_and_stop_policy_exits_3(site, tmp_path):
     assert "skipped the step (no optimizer or scheduler update)" in skipped.stderr
     steps = [r["step"] for r in read_metrics(tmp_path / "skip" / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, 13))
+    (bad,) = events(tmp_path / "skip", type="nonfinite_step")
+    assert (bad["step"], bad["action"], bad["bad_steps_in_a_row"]) == (2, "skip", 1)
     stopped = forge_train(
         site, tmp_path / "stop", "--loss.name=nan_once", "--loss.at_call=3", "--resilience.nan_policy=stop"
     )
     assert stopped.returncode == 3
     assert "non-finite loss nan" in stopped.stderr
     assert "resilience.nan_policy = 'stop'" in stopped.stderr
+    *_, bad, error, end = events(tmp_path / "stop")
+    assert (bad["type"], bad["action"], error["type"], error["exit_code"]) == ("nonfinite_step", "stop", "error", 3)
+    assert "NonFiniteLoss: non-finite loss nan" in error["error"]
+    assert (end["status"], end["exit_code"]) == ("failed", 3)
 
 
 def test_keep_last_n_keeps_the_newest_checkpoints(site, tmp_path):
     run_dir = tmp_path / "run"
-    done = forge_train(site, run_dir, "--checkpoint.interval=2", "--checkpoint.keep_last_n=2")
+    done = forge_train(
+        site, run_dir, "--checkpoint.interval=2", "--checkpoint.keep_last_n=2", "--eval.interval=6", "--eval.steps=1"
+    )
     assert done.returncode == 0, done.stderr
+    logged = [r for r in read_metrics(run_dir / "metrics.jsonl") if "eval/loss" in r]
+    evaluations = events(run_dir, type="evaluation")
+    assert [(e["step"], e["metrics"]) for e in evaluations] == [
+        (r["step"], {k: v for k, v in r.items() if k != "step"}) for r in logged
+    ]
+    assert [e["step"] for e in evaluations] == [6, 12]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_10", "step_12"]
     state = json.loads((run_dir / "checkpoints" / "step_12" / "trainer_state.json").read_text())
     assert (state["step"], state["trainer"]["tokens_seen"]) == (12, 12 * 4 * 32)

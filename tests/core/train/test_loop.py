@@ -29,7 +29,8 @@ def test_run_directory_holds_resolved_config_manifest_metrics_and_a_checkpoint(t
     train_records = [r for r in records if "loss" in r]
     assert [r["step"] for r in train_records] == [1, 2, 3, 4, 5, 6]
     for record in train_records:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu"} <= record.keys()
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "memory/rss_gib"} <= record.keys()
+        assert 0.05 < record["memory/rss_gib"] < 64  # this process: an interpreter with torch, not nothing
         assert math.isfinite(record["loss"])
         assert record["tokens_per_sec"] > 0
         assert record["mfu"] > 0

@@ -23,6 +23,7 @@ import random
 import re
 import shutil
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from forge_lm import events
 from forge_lm.checkpoint._safe import DamagedCheckpointError, SafeReader, TensorsOnlyPlanner, UnsafeCheckpointError
 from forge_lm.checkpoint._state import TRAINER_STATE, read_trainer_state
 from forge_lm.checkpoint._tree import join, merge_rank_skeletons, restrict_to_rank, split, tensor_keys
@@ -79,6 +81,7 @@ class CheckpointManager:
         save (or :meth:`wait`) waits for it first.
         """
         self.wait()
+        started = time.perf_counter()
         model_state, optimizer_state = get_state_dict(model, optimizer)
         tensors, skeleton = split({"model": model_state, "optimizer": optimizer_state, "trainer": state}, "state")
         skeleton["rng"] = rng_state()
@@ -89,10 +92,10 @@ class CheckpointManager:
             dist.all_gather_object(skeletons, skeleton)
             skeleton = merge_rank_skeletons(skeletons)
         if self._executor is None:
-            self._write(step, tensors, skeleton)
+            self._write(step, tensors, skeleton, started)
             return
         snapshot = {key: value.detach().to("cpu", copy=True) for key, value in tensors.items()}
-        self._pending = self._executor.submit(self._write, step, snapshot, skeleton)
+        self._pending = self._executor.submit(self._write, step, snapshot, skeleton, started)
 
     def wait(self) -> None:
         """Block until a background save has finished (re-raising its error, if any)."""
@@ -105,7 +108,7 @@ class CheckpointManager:
         if self._executor is not None:
             self._executor.shutdown()
 
-    def _write(self, step: int, tensors: dict[str, torch.Tensor], skeleton: dict[str, Any]) -> None:
+    def _write(self, step: int, tensors: dict[str, torch.Tensor], skeleton: dict[str, Any], started: float) -> None:
         path = self.root / f"step_{step}"
         main = rank() == 0
         # Rank 0 looks at the directory and decides for everyone: ranks must not branch apart
@@ -127,12 +130,19 @@ class CheckpointManager:
                 with contextlib.suppress(OSError):
                     _remove(path)
             previous = self.latest()
+            problem = f"could not write checkpoint '{path}': {_describe(exc)}{_free_space(self.root)}"
+            events.record("checkpoint_failed", checkpoint=path.name, reason=problem)
             raise CheckpointSaveError(
-                f"could not write checkpoint '{path}': {_describe(exc)}{_free_space(self.root)}. The previous "
-                f"checkpoint ({previous.name if previous else 'none yet'}) is intact; free disk space or fix the "
-                "permissions of the run directory."
+                f"{problem}. The previous checkpoint ({previous.name if previous else 'none yet'}) is intact; free "
+                "disk space or fix the permissions of the run directory."
             ) from None
         if main:
+            events.record(
+                "checkpoint_saved",
+                checkpoint=path.name,
+                seconds=round(time.perf_counter() - started, 3),
+                bytes=_size_of(path),
+            )
             self._prune()
 
     def _prune(self) -> None:
@@ -349,6 +359,14 @@ def _free_space(directory: Path) -> str:
     except OSError:
         return ""
     return f" ({free / 1e9:.3g} GB free on its disk)"
+
+
+def _size_of(directory: Path) -> int:
+    """Bytes of the files a checkpoint directory holds (0 where it cannot be read)."""
+    try:
+        return sum(entry.stat().st_size for entry in directory.iterdir() if entry.is_file())
+    except OSError:
+        return 0
 
 
 def _remove(path: Path) -> None:

@@ -7,6 +7,13 @@ other dependencies, the GPU and NCCL where a GPU is expected (CPU only is fine),
 its distribution does not accept), the run config and the devices it asks for, free disk
 and writable paths for the run directory.
 
+Under ``torchrun --nproc_per_node=N -m forge_lm doctor`` (or ``srun`` with one task per rank)
+every rank runs the checks, joins the process group and runs the start-up health check of
+``forge train`` (:mod:`forge_lm.distributed.health`: a timed all-reduce, and on GPUs a checked
+matmul and the free memory of every device), reported as one row per rank. Rank 0 prints the
+report; another rank prints only its own failed checks, to stderr, so that the output stays one
+table (or one JSON document).
+
 Exit code: 0 when nothing failed (warnings are allowed: the run can go ahead, maybe slower or
 with less), 1 when a check failed, 2 for a usage error (as every command).
 """
@@ -53,7 +60,13 @@ def run(args, overrides, plugins) -> int:
 
     path = checked_config_file(args.config_file)
     checks = diagnose(plugins(), path, overrides, run_dir=args.run_dir, min_free_gib=args.min_free_gib)
-    report(checks, as_json=args.json)
+    rank = _launch_rank()
+    if rank == 0:
+        report(checks, as_json=args.json)
+    else:  # the health rows are the same on every rank; rank 0 shows them
+        for what, status, detail in checks:
+            if status == FAIL and not what.startswith("health"):
+                print(f"forge doctor: rank {rank}: {what}: {detail}", file=sys.stderr)
     return FAILED_EXIT_CODE if any(status == FAIL for _, status, _ in checks) else 0
 
 
@@ -83,6 +96,8 @@ def diagnose(
     checks.append(config_check)
     if config is not None and torch is not None:
         checks.append(_check_device(config))
+    if torch is not None:  # on every rank, whatever failed above: the other ranks wait for this one
+        checks.extend(_check_health(config))
     directory = Path(run_dir if run_dir is not None else config.train.output_dir if config is not None else ".")
     checks.extend(_check_run_dir(directory, min_free_gib))
     if torch is not None and (directory / "checkpoints").is_dir():
@@ -284,6 +299,82 @@ def _check_distributed(torch: Any) -> Check:
             "Fix: install an official torch build (pip install torch)",
         )
     return "distributed", OK, found + ("" if cuda else " (nccl is needed only with CUDA)")
+
+
+def _launch_rank() -> int:
+    """This process's rank when launched as one of several (0 otherwise)."""
+    from forge_lm.errors import ForgeError
+
+    try:
+        from forge_lm.distributed.launch import detect_launch
+
+        return detect_launch().rank
+    except (ImportError, ForgeError):
+        return 0
+
+
+def _check_health(config: Any) -> list[Check]:
+    """Under torchrun (or srun with one task per rank): join the process group and run the
+    start-up health check of ``forge train`` on every rank; one row for the verdict and one
+    per rank. Outside such a launch, one row saying how to run it."""
+    from forge_lm.distributed.health import HealthCheckFailed, check_health
+    from forge_lm.distributed.launch import detect_launch, init_distributed, rank_device, shutdown_distributed
+    from forge_lm.errors import ForgeError
+    from forge_lm.train.device import resolve_device
+
+    try:
+        launch = detect_launch()
+    except ForgeError as exc:
+        return [("health", FAIL, str(exc))]
+    if not launch.distributed:
+        return [
+            (
+                "health",
+                OK,
+                "one process: the multi-rank health check (a timed all-reduce; on GPUs a checked matmul and the "
+                "free memory of every device) runs under 'torchrun --nproc_per_node=N -m forge_lm doctor'",
+            )
+        ]
+    setting = config.train.device if config is not None else "auto"
+    timeout = config.distributed.timeout if config is not None else 600.0
+    try:
+        device = rank_device(resolve_device(setting), launch)
+        init_distributed(launch, device, timeout)
+    except ForgeError as exc:
+        # This rank cannot join: the others wait for it until [distributed] timeout runs out.
+        return [("health", FAIL, f"rank {launch.rank} cannot join the process group: {exc}")]
+    except Exception as exc:  # noqa: BLE001 - the rendezvous failed (address, port, network): torch's own errors
+        return [
+            (
+                "health",
+                FAIL,
+                f"rank {launch.rank} could not join the process group of {launch.world_size} ranks: "
+                f"{type(exc).__name__}: {exc}. Fix: check MASTER_ADDR/MASTER_PORT and the network between the nodes",
+            )
+        ]
+    try:
+        report, failure = check_health(device), None
+    except HealthCheckFailed as exc:
+        report, failure = exc.report, exc
+    if report is None:  # the results could not even be gathered
+        shutdown_distributed()
+        return [("health", FAIL, str(failure))]
+    shutdown_distributed(wait_for_all=True)  # every rank reached the gather: none is missing
+    world = len(report.ranks)
+    if failure is not None:
+        verdict = ("health", FAIL, str(failure))
+    else:
+        verdict = (
+            "health",
+            OK,
+            f"{world} ranks on {len({h.host for h in report.ranks})} host(s): every probe passed, none far slower "
+            "than the others",
+        )
+    rows = [verdict]
+    for health in report.ranks:
+        status = FAIL if health.rank in report.problems else OK
+        rows.append((f"health rank {health.rank}", status, report.describe_rank(health)))
+    return rows
 
 
 # -- plugins and the run config -----------------------------------------------------------------

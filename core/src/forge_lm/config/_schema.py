@@ -272,11 +272,13 @@ class ResilienceSection:
         metadata=_doc("Seconds allowed to checkpoint after SIGTERM/SIGUSR1 before the process exits anyway."),
     )
     hang_timeout: float = attrs.field(
-        default=1800.0,
+        default=480.0,
         validator=non_negative,
         metadata=_doc(
-            "Seconds without a completed optimizer step (evaluations and checkpoints included) after which every "
-            "rank writes its Python stacks to <run>/hang/rank<R>.txt and exits 77; 0 turns the watchdog off."
+            "Seconds without progress (a training step, an evaluation or a checkpoint save finishing) after "
+            "which every rank writes its Python stacks to <run>/hang/rank<R>.txt and exits 77; 0 turns it off. "
+            "Keep it below [distributed] timeout, so that a rank stuck in a collective writes its stacks before "
+            "the process group gives up."
         ),
     )
     health_check: bool = attrs.field(

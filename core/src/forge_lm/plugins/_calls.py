@@ -35,6 +35,8 @@ class PluginHookFailed(ForgeError):
     intact) with how to resume, or the generic advice for a plugin bug.
     """
 
+    exit_code = PLUGIN_HOOK_EXIT_CODE
+
     def __init__(self, plugin: PluginInfo, hook: str, problem: str) -> None:
         super().__init__(f"{plugin.label} {problem}")
         self.plugin = plugin

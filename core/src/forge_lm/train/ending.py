@@ -8,15 +8,46 @@ is checkpointed first, and says what is intact (the policy is in :mod:`forge_lm.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
+
+import torch.distributed as dist
 
 from forge_lm.checkpoint import CheckpointManager
 from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed import ParallelDims
+from forge_lm.errors import ForgeError
 from forge_lm.plugins import PluginManager, PluginStatus
 from forge_lm.plugins._calls import PluginHookFailed, describe
 from forge_lm.train.run_state import save_run
+from forge_lm.train.watchdog import HANG_EXIT_CODE
+
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+class CollectiveTimedOut(ForgeError):
+    """A collective waited longer than ``[distributed] timeout`` for the other ranks. It ends
+    the run with the hang watchdog's exit code: to a job script both mean a stuck run."""
+
+    exit_code = HANG_EXIT_CODE
+
+
+def collective_timeout(error: BaseException, timeout: float) -> CollectiveTimedOut | None:
+    """``error`` explained, if it is a collective of this run's process group timing out
+    (gloo raises a RuntimeError "Timed out waiting ...", NCCL a DistBackendError, a subclass)."""
+    if not (isinstance(error, RuntimeError) and dist.is_available() and dist.is_initialized()):
+        return None
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if not _TIMED_OUT.search(first_line):
+        return None
+    return CollectiveTimedOut(
+        f"a collective operation waited longer than [distributed] timeout = {timeout:g} s for the other ranks "
+        f"({first_line}). Another rank stopped, hung or is far slower: look at its output (and <run>/hang/ for "
+        "stacks, when resilience.hang_timeout fired there). If a step can take this long (a first compile, a "
+        f"large checkpoint), raise [distributed] timeout. Exiting with {HANG_EXIT_CODE}; the newest checkpoint "
+        "is intact."
+    )
 
 
 def end_run(

@@ -6,11 +6,16 @@ auxiliary loss a module reported, backward over ``grad_accum_steps`` micro-batch
 sync only on the last one), gradient clipping, optimizer and scheduler step, metrics,
 lifecycle hooks, evaluation and checkpoints at their intervals. It knows no concrete
 component: which optimizer, loss, dataset or feed-forward layer runs is the config's business.
+
+Around the steps, what lets a user see inside the run: the event log (``events.jsonl``), the
+profiler's window, memory metrics at each log, and the hang watchdog.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import sys
 import time
@@ -22,6 +27,7 @@ from typing import Any
 import attrs
 import torch
 
+from forge_lm import events
 from forge_lm.checkpoint import CheckpointManager
 from forge_lm.config import ForgeConfig, to_data
 from forge_lm.data.loader import BatchLoader
@@ -37,10 +43,12 @@ from forge_lm.distributed import (
 )
 from forge_lm.distributed.consistency import check_same_plugins
 from forge_lm.distributed.grads import clip_grad_norm
+from forge_lm.distributed.health import check_health
 from forge_lm.distributed.launch import on_main_process, rank_device
 from forge_lm.distributed.pipeline import PipelineRunner
-from forge_lm.distributed.reduce import mean_over_data_parallel
+from forge_lm.distributed.reduce import mean_over_data_parallel, rank
 from forge_lm.losses.aux import collect_aux
+from forge_lm.metrics.memory import MemoryMetrics
 from forge_lm.metrics.mfu import mfu, world_peak_flops
 from forge_lm.model import build_model
 from forge_lm.model.flops import active_parameter_count, flops_per_token
@@ -49,12 +57,14 @@ from forge_lm.plugins import PluginManager
 from forge_lm.plugins._calls import PluginHookFailed
 from forge_lm.train.components import build, build_dataset, build_metrics_backends
 from forge_lm.train.device import autocast_dtype, resolve_device, seed_everything
-from forge_lm.train.ending import end_run, stop_for_plugin, warn_about_unused_plugins
+from forge_lm.train.ending import collective_timeout, end_run, stop_for_plugin, warn_about_unused_plugins
 from forge_lm.train.evaluate import Evaluator
+from forge_lm.train.profiling import StepProfiler
 from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree, check_startup
 from forge_lm.train.run_dir import RunDirectory
 from forge_lm.train.run_state import restore_run, save_run
 from forge_lm.train.saving import SavePolicy
+from forge_lm.train.watchdog import HangWatchdog
 
 
 @attrs.define
@@ -114,6 +124,10 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     device = rank_device(resolve_device(config.train.device), launch)
     dtype = autocast_dtype(config.train.precision, device)
     init_distributed(launch, device, config.distributed.timeout)
+    if config.resilience.health_check and launch.world_size > 1:  # a bad rank is named before anything is built
+        health = check_health(device)
+        if is_main_process():
+            print(f"forge: health check passed: {health.summary()}", file=sys.stderr)
     mesh = dims.build_mesh(device.type)
     check_same_plugins(manager.manifest(), manager.manifest_hash())
     dp_rank, dp_size = dp_coordinates(mesh)
@@ -168,14 +182,33 @@ def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
     try:
         with run:  # unlocked also on errors; a directory this start created is removed if no step was done
             result = _train(config, manager, run)
-    except (Preempted, NonFiniteLoss):  # every rank stops here together
+    except (Preempted, NonFiniteLoss) as stop:  # every rank stops here together
+        _record_end(stop)
         shutdown_distributed(wait_for_all=True)
         raise
-    except BaseException:
+    except BaseException as error:
+        timed_out = collective_timeout(error, config.distributed.timeout)
+        _record_end(timed_out or error)
         shutdown_distributed()  # this rank alone may be failing: waiting for the others could hang
+        if timed_out is not None:
+            raise timed_out from error
         raise
+    _record_end(None)
     shutdown_distributed(wait_for_all=True)
     return result
+
+
+def _record_end(error: BaseException | None) -> None:
+    """The last events of this start (when it got as far as opening the event log): the error
+    on the rank it happened on, then how the run ended."""
+    if events.current() is None:
+        return
+    code = events.exit_code_of(error)
+    if error is not None and not isinstance(error, Preempted | KeyboardInterrupt):
+        events.record("error", exit_code=code, error=f"{type(error).__name__}: {error}")
+    status = "completed" if error is None else "interrupted" if code in (75, 130) else "failed"
+    events.record("end", status=status, exit_code=code)
+    events.close_log()
 
 
 def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> TrainResult:
@@ -187,6 +220,15 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
     # Only now, with everything built, is the run directory locked and written (or found, to
     # resume): a failed start leaves nothing behind.
     run_dir, resuming = on_main_process(lambda: run.open(config, manager))
+    events.open_log(run_dir, rank())
+    events.record(
+        "start",
+        resuming=resuming,
+        world_size=parts.dims.world_size,
+        config_hash=_config_hash(config),
+        plugins=manager.manifest(),
+        plugins_hash=manager.manifest_hash(),
+    )
     checkpoints = CheckpointManager(run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save)
     context = TrainContext(config, run_dir, model, optimizer, parts.scheduler, tokens_per_step=parts.tokens_per_step)
     saves = SavePolicy(config.checkpoint.max_failed_saves)  # what a failed checkpoint write does
@@ -203,7 +245,12 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
         manager.call("forge_lm_train_start", context=context)
         batches = _on_device(iter(parts.train_batches), parts.device)
         window_start, window_steps = time.perf_counter(), 0
-        with PreemptionWatcher(config.resilience.signal_timeout) as preemption:
+        memory = MemoryMetrics(parts.device)
+        with (
+            PreemptionWatcher(config.resilience.signal_timeout) as preemption,
+            HangWatchdog(config.resilience.hang_timeout, run_dir, rank()) as watchdog,
+            StepProfiler(config.profiling, run_dir, rank(), parts.device) as profiler,
+        ):
             try:  # the last safe point of the start-up; from here on the watcher has the signals
                 check_startup()
             except Preempted:
@@ -212,6 +259,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
             while context.step < config.train.max_steps:
                 lr = optimizer.param_groups[0]["lr"]
                 loss, grad_norm, aux = _train_step(parts, batches, config)
+                watchdog.beat()
                 if agree(not (math.isfinite(loss) and math.isfinite(grad_norm))):
                     bad_steps += 1
                     _handle_bad_step(context, checkpoints, parts.train_batches, manager, loss, grad_norm, bad_steps)
@@ -224,6 +272,8 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
                 context.tokens_seen += parts.tokens_per_step
                 step, window_steps = context.step, window_steps + 1
                 last = step == config.train.max_steps
+                events.set_step(step)
+                profiler.step(step)
 
                 metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **aux}
                 try:
@@ -235,21 +285,25 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
                         metrics["tokens_per_sec"] = tokens_per_sec
                         if parts.peak_flops is not None:  # an unknown device logs no MFU (warned once)
                             metrics["mfu"] = mfu(parts.flops_per_token, tokens_per_sec, parts.peak_flops)
+                        metrics.update(memory.read())
                         _log(backends, step, metrics)
                         window_start, window_steps = time.perf_counter(), 0
 
                 if parts.evaluator and (step % config.eval.interval == 0 or last):
                     _evaluate(parts, context, manager)
+                    watchdog.beat()
                     window_start = time.perf_counter()  # evaluation time is not training throughput
 
                 preempted = preemption.requested()
                 if _divides(config.checkpoint.interval, step) or last or preempted:
                     save = partial(save_run, checkpoints, context, parts.train_batches, manager)
                     saves.attempt(save, last_chance=last or preempted, why="preemption" if preempted else "final")
+                    watchdog.beat()
                     window_start = time.perf_counter()
                 if preempted:
                     saves.attempt(checkpoints.wait, last_chance=True, why="preemption")
                     status = "interrupted"
+                    events.record("preemption", signal=preemption.signal_name)
                     raise Preempted(preemption.signal_name, step)
             saves.attempt(checkpoints.wait, last_chance=True, why="final")
         status = "completed"
@@ -266,6 +320,12 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
     return TrainResult(run_dir, context.step, loss, status, resumed_at)
 
 
+def _config_hash(config: ForgeConfig) -> str:
+    """A short fingerprint of the resolved config: two starts with the same hash ran the same config."""
+    text = json.dumps(to_data(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def _divides(interval: int, step: int) -> bool:
     return bool(interval) and step % interval == 0
 
@@ -279,6 +339,7 @@ def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> N
         results.update(extra)
     finally:  # the evaluation happened: it is logged even when a plugin's eval_end failed
         _log(parts.backends, context.step, results)
+        events.record("evaluation", metrics=results)
 
 
 def _handle_bad_step(
@@ -294,7 +355,10 @@ def _handle_bad_step(
     policy = context.config.resilience
     what = f"non-finite loss {loss} / gradient norm {grad_norm} after step {context.step}"
     context.optimizer.zero_grad(set_to_none=True)
-    if policy.nan_policy == "stop" or bad_steps >= policy.max_bad_steps:
+    stopping = policy.nan_policy == "stop" or bad_steps >= policy.max_bad_steps
+    action = "stop" if stopping else policy.nan_policy
+    events.record("nonfinite_step", loss=loss, grad_norm=grad_norm, action=action, bad_steps_in_a_row=bad_steps)
+    if stopping:
         reason = (
             "resilience.nan_policy = 'stop'"
             if policy.nan_policy == "stop"

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
 
+from forge_lm import events
 from forge_lm.distributed.reduce import any_rank
 from forge_lm.errors import ForgeError
 
@@ -37,6 +38,8 @@ _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 class Preempted(Exception):  # an event the CLI turns into an exit code, not an error
     """Raised after the checkpoint that a preemption signal asked for is written."""
+
+    exit_code = PREEMPTED_EXIT_CODE
 
     def __init__(self, signal_name: str, step: int) -> None:
         super().__init__(f"{signal_name} at step {step}")
@@ -52,6 +55,8 @@ class PreemptedAtStartup(Preempted):
 
 class NonFiniteLoss(ForgeError):
     """The loss or gradients stayed non-finite beyond what the policy allows."""
+
+    exit_code = NONFINITE_EXIT_CODE
 
 
 class _SignalNote:
@@ -162,6 +167,7 @@ def _force_exit(name: str, timeout: float) -> None:
         file=sys.stderr,
         flush=True,
     )
+    events.record("end", status="interrupted", exit_code=FORCED_EXIT_CODE)  # the save never finished
     os._exit(FORCED_EXIT_CODE)
 
 

@@ -10,8 +10,10 @@ Plugin states go to their plugins' ``load_state`` hooks, whose failure is the pl
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
+from forge_lm import events
 from forge_lm.checkpoint import CheckpointManager
 from forge_lm.checkpoint._state import check_like
 from forge_lm.config import to_data
@@ -54,6 +56,8 @@ def restore_run(
         return False
     for skipped in state["passed_over"]:
         _warn(f"passed over checkpoint {skipped}")
+        name, _, reason = skipped.partition(": ")
+        events.record("checkpoint_skipped", checkpoint=name, reason=reason)
     context.step, context.tokens_seen = state["step"], state["tokens_seen"]
     saved_batch = state.get("tokens_per_step", context.tokens_per_step)
     if saved_batch != context.tokens_per_step:  # e.g. resumed on another number of ranks
@@ -65,6 +69,8 @@ def restore_run(
     for name in unclaimed:
         _warn(f"checkpoint state of plugin '{name}' was not restored: that plugin is not loaded")
     print(f"resumed from {state['path']} (step {context.step})", file=sys.stderr, flush=True)
+    events.set_step(context.step)
+    events.record("resume", from_step=context.step, checkpoint=Path(state["path"]).name)
     return True
 
 

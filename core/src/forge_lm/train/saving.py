@@ -27,6 +27,8 @@ SAVE_FAILED_EXIT_CODE = 5
 class CheckpointSaveFailed(ForgeError):
     """Checkpoints could not be written and the policy stopped the run; the previous one is intact."""
 
+    exit_code = SAVE_FAILED_EXIT_CODE
+
 
 class SavePolicy:
     def __init__(self, max_failed_saves: int) -> None:

@@ -1,0 +1,160 @@
+"""The hang watchdog: a rank that completes no optimizer step for too long writes where it is
+stuck and exits, instead of waiting silently until the job's time limit.
+
+A distributed run hangs when one rank never reaches a collective the others wait in (a stuck
+file system, a dead data worker, a deadlocked plugin, a GPU gone bad): the process group's
+timeout may be long, and NCCL can wait forever. :class:`HangWatchdog` runs a daemon thread per
+rank; the training loop calls :meth:`HangWatchdog.beat` after each optimizer step. When no beat
+comes for ``resilience.hang_timeout`` seconds, the thread writes the Python stacks of every
+thread of its process to ``<run>/hang/rank<R>.txt``, records a ``hang`` event, prints one line
+and ends the process with :data:`HANG_EXIT_CODE` (77). Each rank keeps its own clock, so every
+rank of a hung run stops and leaves its stacks: the stuck rank shows where it is stuck, the
+others show the collective they wait in. A job script requeues on 77 like on 75/76 (see
+examples/slurm/multi_node.sbatch): the run resumes from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from forge_lm import events
+
+HANG_EXIT_CODE = 77
+
+# Writing the stacks or the event may itself hang: a hung file system is a common reason for a
+# hang. Each is given this long before the watchdog goes on without it and still exits.
+_WRITE_SECONDS = 30.0
+
+
+class HangWatchdog:
+    """Exits the process with 77 when :meth:`beat` is not called for ``timeout`` seconds,
+    counted from ``__enter__`` and then from the last beat; ``timeout`` 0 turns it off."""
+
+    def __init__(self, timeout: float, run_dir: Path, rank: int) -> None:
+        self.timeout = float(timeout)
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self._last_beat = time.monotonic()
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()  # __exit__ and the decision to fire exclude each other
+        self._thread: threading.Thread | None = None
+
+    @property
+    def stacks_path(self) -> Path:
+        return self.run_dir / "hang" / f"rank{self.rank}.txt"
+
+    def __enter__(self) -> HangWatchdog:
+        if self.timeout > 0:
+            self._last_beat = time.monotonic()
+            self._thread = threading.Thread(target=self._watch, name="forge-hang-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        """An optimizer step completed: the clock starts again. Called every step, so it does
+        no more than store a float (an atomic assignment: no lock, no wake-up of the thread)."""
+        self._last_beat = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._stopped.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            # Returns at once, unless the watchdog had already begun to fire: then the hang was
+            # real and the process ends in a moment with 77; the run's own ending must not race
+            # that exit, so this waits for it.
+            thread.join()
+
+    def _watch(self) -> None:
+        # The thread sleeps until the deadline the last beat set and looks again: a beat in
+        # between moved the deadline, so it sleeps once more. No polling between deadlines.
+        while True:
+            remaining = self._last_beat + self.timeout - time.monotonic()
+            if remaining <= 0:
+                break
+            if self._stopped.wait(remaining):
+                return
+        with self._lock:
+            if self._stopped.is_set():  # __exit__ came first: the run ended, no hang
+                return
+        self._fire()
+
+    def _fire(self) -> None:
+        try:
+            where = str(self.stacks_path)
+            failure = _bounded(self._write_stacks)
+            if failure is not None:
+                where = "stderr"
+                _write_header_and_stacks(
+                    _stderr(), self.rank, self.timeout, f"{self.stacks_path} could not be written: {failure}"
+                )
+            _bounded(lambda: events.record("hang", stacks=where, seconds=self.timeout))
+            print(
+                f"forge: error: no optimizer step completed in {self.timeout:g} s (resilience.hang_timeout); wrote "
+                f"the Python stacks of rank {self.rank} to {where}; exiting with {HANG_EXIT_CODE}. Compare the "
+                f"stacks of every rank in {self.run_dir / 'hang'}: a rank stuck outside the collective that the "
+                "others wait in is the cause. Run the same command to resume from the newest checkpoint; raise "
+                "resilience.hang_timeout if a step, evaluation or checkpoint legitimately takes longer (0 turns "
+                "the watchdog off).",
+                file=_stderr(),
+                flush=True,
+            )
+        finally:  # whatever failed above, the process must not stay hung
+            os._exit(HANG_EXIT_CODE)
+
+    def _write_stacks(self) -> None:
+        self.stacks_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.stacks_path, "w") as file:
+            _write_header_and_stacks(file, self.rank, self.timeout)
+
+
+def _write_header_and_stacks(file: TextIO, rank: int, timeout: float, note: str = "") -> None:
+    """Who and when, the names of the threads (faulthandler shows only their ids), then the
+    Python stack of every thread of this process."""
+    names = ", ".join(f"0x{thread.ident or 0:016x} {thread.name}" for thread in threading.enumerate())
+    file.write(
+        f"forge hang watchdog: rank {rank}, pid {os.getpid()}, host {socket.gethostname()}: no optimizer step "
+        f"completed in {timeout:g} s; {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n"
+        + (f"({note})\n" if note else "")
+        + f"threads: {names}\n\n"
+    )
+    file.flush()
+    faulthandler.dump_traceback(file, all_threads=True)  # writes to the descriptor itself
+    file.flush()
+
+
+def _bounded(action: Callable[[], None], seconds: float = _WRITE_SECONDS) -> str | None:
+    """Run ``action`` in its own daemon thread for at most ``seconds``: None when it finished,
+    else why not (its exception, or the time it was given)."""
+    outcome: list[str | None] = []
+
+    def run() -> None:
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 - e.g. an unwritable run directory: the caller falls back
+            outcome.append(f"{type(exc).__name__}: {exc}")
+        else:
+            outcome.append(None)
+
+    worker = threading.Thread(target=run, name="forge-hang-watchdog-write", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return outcome[0] if outcome else f"not done within {seconds:g} s"
+
+
+def _stderr() -> TextIO:
+    """The process's real standard error: faulthandler needs a file descriptor, which a
+    replaced ``sys.stderr`` (a test's capture) may not have."""
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return sys.__stderr__
+    return sys.stderr
