@@ -54,6 +54,15 @@ def logged_steps(*expected: int):
     return check
 
 
+def metrics_backend_turned_off(ws: Workspace, outcome: Outcome) -> None:
+    assert re.search(
+        r"forge: warning: metrics backend 'jsonl' \(forge-lm [^)]*\) failed in log \(step \d+\): "
+        r"OSError: \[Errno 27\] File too large; it is off for the rest of this run",
+        outcome.stderr,
+    ), outcome.stderr
+    assert outcome.stderr.count("cannot write the event log") == 1  # warned once, then left alone
+
+
 CASES = [
     Case(
         id="checkpoint-saves-fail-until-the-limit",
@@ -80,8 +89,10 @@ CASES = [
         id="metrics-file-full-turns-the-backend-off",
         **resumed_planning(max_steps=12, interval=0, max_failed_saves=1),
         exit_code=5,
-        first_line=r"forge: warning: metrics backend 'jsonl' \(forge-lm [^)]*\) failed in log \(step \d+\): "
-        r"OSError: \[Errno 27\] File too large; it is off for the rest of this run",
+        # The event log, appended to first (at the start), is the first file to hit the limit.
+        first_line=r"forge: warning: cannot write the event log .*events\.jsonl \(\[Errno 27\] File too large\); "
+        "events are not recorded",
+        check=metrics_backend_turned_off,
         needs_run=True,
         subprocess=True,
         file_size_limit=1_500,  # metrics.jsonl reaches it within a few steps; the final save cannot fit either

@@ -351,7 +351,7 @@ def _second_run_refused_then_same_command_works(ws: Workspace, outcome: Outcome)
 
 
 def _corrected_config_starts_it(ws: Workspace, outcome: Outcome) -> None:
-    assert sorted(p.name for p in ws.run.iterdir()) == ["config.toml", "metrics.jsonl", "plugins.json"]
+    assert sorted(p.name for p in ws.run.iterdir()) == ["config.toml", "events.jsonl", "metrics.jsonl", "plugins.json"]
     err = io.StringIO()
     argv = [
         "train",

@@ -302,7 +302,7 @@ def test_a_plugin_metrics_backend_with_a_required_option_and_no_table_is_named(w
 def test_an_unknown_key_in_a_backend_table_names_the_backend(error):
     assert error("[metrics.console]\ndigit = 3\n") == (
         "[metrics.console] digit: unknown key for metrics backend 'console'. Did you mean 'digits'? "
-        "Valid keys: 'digits'."
+        "Valid keys: 'digits', 'smoothing'."
     )
 
 

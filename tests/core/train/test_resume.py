@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import re
 from pathlib import Path
 
@@ -115,6 +116,15 @@ def test_repeated_failed_saves_stop_the_run_and_keep_the_last_checkpoint(tiny_co
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_2"]
     records = [r["step"] for r in read_metrics(Path(config.train.output_dir) / "metrics.jsonl") if "loss" in r]
     assert records == [1, 2, 3, 4, 5, 6]  # stopped right after the second failed save
+    lines = (Path(config.train.output_dir) / "events.jsonl").read_text().splitlines()
+    logged = [json.loads(line) for line in lines]
+    assert [(e["type"], e["step"], e.get("checkpoint")) for e in logged if "checkpoint" in e["type"]] == [
+        ("checkpoint_saved", 2, "step_2"),
+        ("checkpoint_failed", 4, "step_4"),
+        ("checkpoint_failed", 6, "step_6"),
+    ]
+    assert "No space left on device" in logged[-3]["reason"]
+    assert [(e["type"], e["exit_code"]) for e in logged[-2:]] == [("error", 5), ("end", 5)]
 
 
 def test_a_failed_final_save_stops_at_once(tiny_config, manager, monkeypatch):

@@ -181,20 +181,30 @@ def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
     run = RunDirectory(config.train.output_dir)  # locked by rank 0 while the run uses it: see run_dir
     try:
         with run:  # unlocked also on errors; a directory this start created is removed if no step was done
-            result = _train(config, manager, run)
-    except (Preempted, NonFiniteLoss) as stop:  # every rank stops here together
-        _record_end(stop)
+            result = _train_recording_the_end(config, manager, run)
+    except (Preempted, NonFiniteLoss):  # every rank stops here together
         shutdown_distributed(wait_for_all=True)
         raise
+    except BaseException:
+        shutdown_distributed()  # this rank alone may be failing: waiting for the others could hang
+        raise
+    shutdown_distributed(wait_for_all=True)
+    return result
+
+
+def _train_recording_the_end(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> TrainResult:
+    """:func:`_train`, then its end in the event log: inside the run directory's ``with``, before
+    a directory that this start created (and trained no step in) is removed again. A collective
+    that timed out is explained as such (:class:`CollectiveTimedOut`)."""
+    try:
+        result = _train(config, manager, run)
     except BaseException as error:
         timed_out = collective_timeout(error, config.distributed.timeout)
         _record_end(timed_out or error)
-        shutdown_distributed()  # this rank alone may be failing: waiting for the others could hang
         if timed_out is not None:
             raise timed_out from error
         raise
     _record_end(None)
-    shutdown_distributed(wait_for_all=True)
     return result
 
 
