@@ -43,6 +43,22 @@ class MetricsContext:
     total_steps: int = 0  # the run's max_steps, for progress displays (0: unknown)
 
 
+@attrs.frozen
+class EvaluatorContext:
+    """What an evaluator factory needs to know about the run."""
+
+    run_dir: Path
+    tokenizer: Any  # the run's Tokenizer: text in, the model's ids out
+    vocab_size: int
+    seq_len: int  # the training sequence length
+    max_seq_len: int  # the longest sequence the model accepts
+    batch_size: int  # the training micro-batch: a size known to fit
+    device: Any  # torch.device of this rank's model
+    dtype: Any  # autocast dtype of the run (torch.bfloat16), or None for fp32
+    rank: int = 0
+    world_size: int = 1
+
+
 @attrs.define
 class WarmupOptions:
     """Base class for scheduler options: linear warmup over the first ``warmup_steps`` steps."""
@@ -76,6 +92,21 @@ class StatefulDataset(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class Evaluator(Protocol):
+    """Runs at each evaluation of a training run (``eval.interval``, and at the end)."""
+
+    def evaluate(self, model: Any, step: int) -> Mapping[str, float]:
+        """Evaluate ``model`` after optimizer step ``step``; return metrics to log (named
+        ``eval/<task>/<metric>`` by convention), or an empty mapping to skip this time.
+
+        Called on every rank, with the model in eval mode under ``torch.no_grad()``. The model
+        may be sharded (FSDP2, tensor parallel): every rank must make the same forward calls
+        on the same inputs, in the same order, so the evaluator does not split its work
+        across ranks. Rank 0's metrics are logged; values that are not numbers are left out
+        with a warning."""
 
 
 @runtime_checkable

@@ -142,6 +142,17 @@ def forge_lm_register_metrics_backends(register: Any) -> None:
 
 
 @hookspec
+def forge_lm_register_evaluators(register: Any) -> None:
+    """Register evaluators: what else runs on the live model at each evaluation, besides the
+    held-out loss (downstream benchmarks, generated samples). A run selects them with
+    ``[eval] evaluators = ["name"]``, options in ``[eval.<name>]``.
+
+    Factory: ``factory(options, context: forge_lm.components.EvaluatorContext) -> evaluator``
+    with ``evaluate(model, step) -> dict[str, float]``; see :class:`forge_lm.components.Evaluator`.
+    """
+
+
+@hookspec
 def forge_lm_register_tokenizers(register: Any) -> None:
     """Register tokenizers. Factory: ``factory(options) -> tokenizer`` with ``encode(text)``,
     ``decode(ids)``, ``vocab_size`` and ``eos_id``; see :class:`forge_lm.components.Tokenizer`.

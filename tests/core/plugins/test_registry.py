@@ -22,7 +22,7 @@ from forge_lm.plugins import (
 FORGE_VERSION = importlib.metadata.version("forge-lm")
 MUON_VERSION = importlib.metadata.version("forge-optim-muon")
 ALL_CATEGORIES = (
-    "'datasets', 'feed_forwards', 'losses', 'metrics_backends', 'model_transforms', 'optimizers', "
+    "'datasets', 'evaluators', 'feed_forwards', 'losses', 'metrics_backends', 'model_transforms', 'optimizers', "
     "'routers', 'schedulers', 'tokenizers'"
 )
 REGISTERS_ADAMW = """
@@ -58,6 +58,7 @@ def test_every_category_has_a_singular_noun_and_a_registration_hook(manager):
         "feed_forwards",
         "routers",
         "model_transforms",
+        "evaluators",
     ]
     for category in CATEGORIES:
         assert hasattr(manager.hook, f"forge_lm_register_{category}")

@@ -227,6 +227,11 @@ class EvalSection:
         default=100, validator=non_negative, metadata=_doc("Evaluate every this many steps (and at the end); 0 never.")
     )
     steps: int = attrs.field(default=4, validator=positive, metadata=_doc("Batches per evaluation."))
+    evaluators: list[ComponentConfig] = components(
+        "evaluators",
+        (),
+        "What else runs on the live model at each evaluation (a plugin's benchmarks); options in [eval.<name>].",
+    )
 
 
 @attrs.frozen

@@ -15,6 +15,7 @@ CATEGORIES: dict[str, tuple[str, str]] = {
     "feed_forwards": ("feed-forward layer", "feed-forward layers"),
     "routers": ("router", "routers"),
     "model_transforms": ("model transform", "model transforms"),
+    "evaluators": ("evaluator", "evaluators"),
 }
 
 

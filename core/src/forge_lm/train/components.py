@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from forge_lm.components import DataContext, MetricsContext
+from forge_lm.components import DataContext, EvaluatorContext, MetricsContext
 from forge_lm.config import ComponentConfig, ForgeConfig
 from forge_lm.errors import ForgeError, PluginError
 from forge_lm.metrics.guard import GuardedBackend
 from forge_lm.plugins import Component, Registry
-from forge_lm.plugins._calls import describe
+from forge_lm.plugins._calls import checked_metrics, describe
 from forge_lm.plugins._categories import singular
 
 
@@ -61,6 +63,42 @@ def build_dataset(
         registry=registry,
     )
     return build(registry, "datasets", config.data, context)
+
+
+class CheckedEvaluator:
+    """An evaluator of ``[eval] evaluators`` whose metrics are checked: what a plugin returns is
+    untrusted, so only string keys with numbers stay, none may replace a metric logged before
+    it, and the rest is left out with one warning (on rank 0, where metrics are logged)."""
+
+    def __init__(self, label: str, evaluator: Any, warn_on_this_rank: bool) -> None:
+        self.label, self.evaluator = label, evaluator
+        self._warn = warn_on_this_rank
+
+    def evaluate(self, model: Any, step: int, earlier: Mapping[str, float]) -> dict[str, float]:
+        returned = self.evaluator.evaluate(model, step)
+        try:
+            good, problems = checked_metrics(returned, {*earlier, "step"})
+        except Exception as exc:  # noqa: BLE001 - a returned object may fail in any way when read
+            good, problems = {}, [f"an unreadable {type(returned).__name__} ({describe(exc)})"]
+        if problems and self._warn:
+            self._warn = False
+            print(
+                f"forge: warning: {self.label} returned unusable metrics: {'; '.join(problems)}. They are left out "
+                "(this warning is not repeated); the run goes on.",
+                file=sys.stderr,
+            )
+        return good
+
+
+def build_evaluators(config: ForgeConfig, registry: Registry, context: EvaluatorContext) -> list[CheckedEvaluator]:
+    """Every evaluator of ``[eval] evaluators``, built (a failure names it and its plugin)."""
+    built = []
+    for chosen in config.eval.evaluators:
+        component = registry.resolve("evaluators", chosen.name)
+        plugin = component.plugin
+        label = f"evaluator '{component.name}' ({plugin.distribution} {plugin.version})"
+        built.append(CheckedEvaluator(label, _build(component, chosen, context), context.rank == 0))
+    return built
 
 
 def build_metrics_backends(config: ForgeConfig, registry: Registry, run_dir: Any) -> list[GuardedBackend]:

@@ -29,6 +29,7 @@ import torch
 
 from forge_lm import events
 from forge_lm.checkpoint import CheckpointManager
+from forge_lm.components import EvaluatorContext
 from forge_lm.config import ForgeConfig, to_data
 from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed import (
@@ -47,6 +48,7 @@ from forge_lm.distributed.health import check_health
 from forge_lm.distributed.launch import on_main_process, rank_device
 from forge_lm.distributed.pipeline import PipelineRunner
 from forge_lm.distributed.reduce import mean_over_data_parallel, rank
+from forge_lm.errors import ConfigError
 from forge_lm.losses.aux import collect_aux
 from forge_lm.metrics.memory import MemoryMetrics
 from forge_lm.metrics.mfu import mfu, world_peak_flops
@@ -55,7 +57,13 @@ from forge_lm.model.flops import active_parameter_count, flops_per_token
 from forge_lm.model.memory import check_memory, model_vocab_size
 from forge_lm.plugins import PluginManager
 from forge_lm.plugins._calls import PluginHookFailed
-from forge_lm.train.components import build, build_dataset, build_metrics_backends
+from forge_lm.train.components import (
+    CheckedEvaluator,
+    build,
+    build_dataset,
+    build_evaluators,
+    build_metrics_backends,
+)
 from forge_lm.train.device import autocast_dtype, resolve_device, seed_everything
 from forge_lm.train.ending import collective_timeout, end_run, stop_for_plugin, warn_about_unused_plugins
 from forge_lm.train.evaluate import Evaluator
@@ -105,6 +113,7 @@ class _Parts:
     loss_fn: Any
     train_batches: BatchLoader
     evaluator: Evaluator | None
+    evaluators: list[CheckedEvaluator]  # [eval] evaluators
     backends: list[Any]
     tokens_per_step: int
     flops_per_token: float
@@ -152,6 +161,26 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         evaluator = Evaluator(
             eval_data, config.train.batch_size, config.eval.steps, device, dtype, vocab_size, "the evaluation data"
         )
+    evaluators = []
+    if config.eval.evaluators and config.eval.interval:
+        if dims.pp > 1:  # an evaluator calls the whole model's forward; a stage is a part of it
+            raise ConfigError(
+                "[eval] evaluators run the whole model on each rank and cannot run under pipeline parallelism "
+                f"([distributed] pp = {dims.pp}); remove them or train with pp = 1"
+            )
+        evaluator_context = EvaluatorContext(
+            run_dir=Path(config.train.output_dir),
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            seq_len=config.train.seq_len,
+            max_seq_len=config.model.max_seq_len,
+            batch_size=config.train.batch_size,
+            device=device,
+            dtype=dtype,
+            rank=launch.rank,
+            world_size=launch.world_size,
+        )
+        evaluators = build_evaluators(config, registry, evaluator_context)
     if dims.distributed and is_main_process():
         print(f"forge: {dims.describe()}; model transforms: {', '.join(applied) or 'none'}", file=sys.stderr)
     train_data = build_dataset(config, registry, tokenizer, vocab_size, "train", dp_rank, dp_size)
@@ -167,6 +196,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         loss_fn=loss_fn,
         train_batches=BatchLoader(train_data, config.train.batch_size, vocab_size, f"the '{config.data.name}' data"),
         evaluator=evaluator,
+        evaluators=evaluators,
         # Metrics are the main process's job; the others report through it.
         backends=build_metrics_backends(config, registry, Path(config.train.output_dir)) if is_main_process() else [],
         tokens_per_step=config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps * dp_size,
@@ -344,6 +374,9 @@ def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> N
     with _evaluation_mode(parts.model, parts.optimizer):
         loss_of = parts.pipeline.eval_loss if parts.pipeline is not None else _loss_of(parts.model, parts.loss_fn)
         results = parts.evaluator.run(loss_of, lambda value: mean_over_data_parallel(value, parts.mesh, parts.dims))
+        with torch.no_grad():
+            for evaluator in parts.evaluators:
+                results.update(evaluator.evaluate(parts.model, context.step, results))
     try:
         extra = manager.collect_metrics("forge_lm_eval_end", context=context, step=context.step, metrics=results)
         results.update(extra)
