@@ -14,7 +14,7 @@ import attrs
 import pytest
 
 from forge_lm.config import ForgeConfig, structure_config
-from forge_lm.config._schema import ARRAY, CATEGORY, MANY
+from forge_lm.config._schema import ARRAY, CATEGORY, KEYED, MANY
 from forge_lm.errors import ConfigError
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.validators import FieldError, between, finite, non_negative, positive
@@ -47,6 +47,16 @@ def _keys() -> Iterator[tuple[str, str, Any, dict[str, Any]]]:
                 for component in BUILTINS.registry.components(field.metadata[CATEGORY]):
                     sub = {field.name: [component.name]}
                     yield from walk(component.options_class, f"{where}.{component.name}", sub)
+                continue
+            if field.metadata.get(KEYED):  # [eval.datasets.<set>]: the entry's own keys, then each component's
+                entry = f"{where}.{field.name}.some_set".strip(".")
+                for setting in attrs.fields(attrs.resolve_types(field.metadata[KEYED])):
+                    if not setting.metadata.get(CATEGORY):
+                        yield entry, setting.name, setting.type, {}
+                        continue
+                    for component in BUILTINS.registry.components(setting.metadata[CATEGORY]):
+                        base = {"name": component.name, **_required(component.options_class)}
+                        yield from walk(component.options_class, entry, base)
                 continue
             if field.metadata.get(CATEGORY):
                 for component in BUILTINS.registry.components(field.metadata[CATEGORY]):

@@ -30,11 +30,28 @@ def test_batches_stack_consecutive_samples(build_dataset, byte_context):
     samples = iter(reference)
     for batch in take_batches(BatchLoader(dataset, 4), 3):
         expected = [next(samples) for _ in range(4)]
-        assert set(batch) == {"input_ids", "labels", "document_ids"}
+        stacked = {key: torch.stack([sample[key] for sample in expected]) for key in expected[0]}
+        documents = stacked["document_ids"]
+        one_each = bool((documents == documents[:, :1]).all())
+        # Document ids go only with batches that need them (see the next test).
+        assert set(batch) == {"input_ids", "labels"} | (set() if one_each else {"document_ids"})
         for key, value in batch.items():
             assert value.shape == (4, 32)
             assert value.dtype == torch.long
-            assert torch.equal(value, torch.stack([sample[key] for sample in expected]))
+            assert torch.equal(value, stacked[key])
+
+
+def test_a_batch_of_single_document_rows_carries_no_document_ids():
+    """Plain causal attention then: decided on the host, so the model need not ask the device."""
+
+    def sample(first_doc: int, second_doc: int) -> dict[str, torch.Tensor]:
+        ids = torch.tensor([first_doc] * 3 + [second_doc] * 3)
+        return {"input_ids": torch.arange(6), "labels": torch.arange(6), "document_ids": ids}
+
+    single = next(iter(BatchLoader([sample(0, 0), sample(4, 4)], 2)))
+    assert set(single) == {"input_ids", "labels"}
+    mixed = next(iter(BatchLoader([sample(0, 0), sample(1, 2)], 2)))
+    assert torch.equal(mixed["document_ids"], torch.tensor([[0] * 6, [1] * 3 + [2] * 3]))
 
 
 @pytest.mark.parametrize(("name", "table"), [("python_stdlib", {}), ("synthetic", {})])

@@ -95,8 +95,8 @@ def test_what_an_evaluator_returns_that_is_not_a_metric_is_left_out_with_one_war
 
 
 def test_an_unknown_evaluator_is_a_config_error_naming_the_category(tiny_config):
-    with pytest.raises(ConfigError, match="unknown evaluator 'lm_eval'"):
-        tiny_config('--eval.evaluators=["lm_eval"]')
+    with pytest.raises(ConfigError, match="unknown evaluator 'no_such_benchmark'"):
+        tiny_config('--eval.evaluators=["no_such_benchmark"]')
 
 
 def test_evaluators_do_not_run_when_evaluation_is_off(tiny_config, manager, probe):

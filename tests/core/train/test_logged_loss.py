@@ -42,7 +42,8 @@ def test_logged_loss_is_the_cross_entropy_and_the_gradient_includes_the_z_loss(t
         mesh=None,
         dims=ParallelDims(),
     )
-    loss, _, aux = _train_step(parts, batches, config)
+    loss, _, reports = _train_step(parts, batches, config)
+    loss, aux = loss.item(), reports.logged()
     grads = {name: param.grad.clone() for name, param in model.named_parameters()}
 
     reference, ref_batches = _fresh(config, manager)

@@ -8,7 +8,7 @@ import attrs
 import tomli_w
 
 from forge_lm.config._converter import converter
-from forge_lm.config._schema import ARRAY, CATEGORY, MANY, ComponentConfig
+from forge_lm.config._schema import ARRAY, CATEGORY, KEYED, MANY, ComponentConfig
 
 
 def to_data(instance: Any) -> dict[str, Any]:
@@ -22,6 +22,9 @@ def to_data(instance: Any) -> dict[str, Any]:
         value = getattr(instance, field.name)
         if field.metadata.get(ARRAY):
             out[field.name] = [{"name": c.name, **to_data(c.options)} for c in value]
+        elif field.metadata.get(KEYED):
+            if value:  # none: left out, so a config without entries dumps as it did before they existed
+                out[field.name] = {key: _entry_data(entry) for key, entry in value.items()}
         elif field.metadata.get(MANY):
             out[field.name] = [c.name for c in value]
             for chosen in value:
@@ -35,6 +38,21 @@ def to_data(instance: Any) -> dict[str, Any]:
         elif value is not None:
             out[field.name] = converter.unstructure(value)
     return out
+
+
+def _entry_data(entry: Any) -> dict[str, Any]:
+    """One entry of a KEYED table, as its table holds it: the component's name and options, flat,
+    then the entry's own settings; an unset component (the default) writes no name."""
+    out: dict[str, Any] = {}
+    settings = {}
+    for field in attrs.fields(type(entry)):
+        value = getattr(entry, field.name)
+        if field.metadata.get(CATEGORY):
+            if value is not None:
+                out.update({"name": value.name, **to_data(value.options)})
+        elif value is not None:
+            settings[field.name] = converter.unstructure(value)
+    return {**out, **settings}
 
 
 def to_toml(instance: Any) -> str:

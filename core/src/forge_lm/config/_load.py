@@ -19,7 +19,7 @@ import attrs
 import tomli_w
 
 from forge_lm.config._converter import CliValue, converter, describe
-from forge_lm.config._schema import ARRAY, CATEGORY, MANY, ComponentConfig, ForgeConfig, check_cross_section
+from forge_lm.config._schema import ARRAY, CATEGORY, KEYED, MANY, ComponentConfig, ForgeConfig, check_cross_section
 from forge_lm.errors import ConfigError, ForgeError, UsageError, did_you_mean, quoted_list
 from forge_lm.plugins import Registry
 from forge_lm.plugins._categories import singular
@@ -150,13 +150,16 @@ class _Walker:
         values: dict[str, Any] = {}
         for field in fields:
             if field.metadata.get(MANY):
-                values[field.name] = self._component_list(field, data, where)
+                values[field.name] = self._component_list(field, data, where, [f.name for f in fields])
         self._reject_unknown_keys(cls, data, where, owner, also)
         for field in fields:
             if field.name in values:
                 continue
             if field.metadata.get(ARRAY):
                 values[field.name] = self._component_array(field, data.get(field.name, []), where)
+                continue
+            if field.metadata.get(KEYED):
+                values[field.name] = self._component_table(field, data.get(field.name, {}), where)
                 continue
             if field.metadata.get(CATEGORY):
                 # Structured even when absent, so the default component is checked and gets options.
@@ -251,7 +254,70 @@ class _Walker:
             for index, table in enumerate(tables)
         ]
 
-    def _component_list(self, field: Any, data: dict[str, Any], where: str) -> list[ComponentConfig]:
+    def _component_table(self, field: Any, tables: Any, where: str) -> dict[str, Any]:
+        """Entries keyed by names the user chose (``[eval.datasets.<name>]``). The field's KEYED
+        class has one component field (the entry's ``name`` and options, flat in its table) and
+        settings of the entry itself, whose keys the table reserves."""
+        key_where = _join(where, field.name)
+        if not isinstance(tables, Mapping):
+            raise ConfigError(
+                f"{_name(where, field.name)}: expected tables, [{key_where}.<name>], got {describe(tables)}."
+            )
+        entry_cls = field.metadata[KEYED]
+        fields = attrs.fields(attrs.resolve_types(entry_cls))
+        (chosen_field,) = [f for f in fields if f.metadata.get(CATEGORY)]
+        settings = [f for f in fields if f is not chosen_field]
+        reserved = [f.name for f in settings]
+        category = chosen_field.metadata[CATEGORY]
+        entries = {}
+        for key, table in tables.items():
+            entry_where = _join(key_where, key)
+            if not isinstance(table, Mapping):
+                raise ConfigError(
+                    f"[{entry_where}] must be a table with the {singular(category)}'s name and options, "
+                    f"got {describe(table)}."
+                )
+            table = dict(table)
+            values = {
+                f.name: self._value(table.pop(f.name), f.type, entry_where, f.name) for f in settings if f.name in table
+            }
+            if "name" in table:
+                values[chosen_field.name] = self._entry_component(category, table, entry_where, reserved)
+            elif table:  # options for a component the table does not name: a typo, or a forgotten name
+                first = next(iter(table))
+                hint = did_you_mean(first, [*reserved, "name"])
+                if hint:
+                    raise ConfigError(f"{_name(entry_where, first)}: unknown key.{hint}")
+                kind = singular(category)
+                raise ConfigError(
+                    f"{_name(entry_where, first)}: an option, but [{entry_where}] names no {kind}; add "
+                    f'name = "<{kind}>" to say which {kind} it is for (without a name, '
+                    f"{chosen_field.metadata['unset']})."
+                )
+            try:
+                entries[key] = entry_cls(**values)
+            except FieldError as exc:
+                raise ConfigError(f"{_name(entry_where, exc.key)}: {exc.message}.") from None
+        return entries
+
+    def _entry_component(
+        self, category: str, table: dict[str, Any], where: str, reserved: list[str]
+    ) -> ComponentConfig:
+        """The component an entry's table names, from the table less the entry's own settings."""
+        name = self._value(table.pop("name"), str, where, "name")
+        found = self._resolve(category, name, where, None)
+        if attrs.has(found.options_class):
+            clash = [f.name for f in attrs.fields(found.options_class) if f.name in reserved]
+            if clash:
+                raise ConfigError(
+                    f"{_name(where, 'name')} = {name!r}: the {singular(category)} has an option '{clash[0]}', but "
+                    f"[{where}] keeps that key for its own setting, so the {singular(category)} cannot be used here."
+                )
+        return self._options(category, name, table, where, also=("name", *reserved))
+
+    def _component_list(
+        self, field: Any, data: dict[str, Any], where: str, section_keys: list[str]
+    ) -> list[ComponentConfig]:
         """A component-list field: names in the field, each one's options in a sibling table."""
         category = field.metadata[CATEGORY]
         key_where = _join(where, field.name)
@@ -265,12 +331,17 @@ class _Walker:
         selected = []
         for name in names:
             bare = name.rpartition(":")[2]
-            table = data.pop(bare, {})
             listed_at = _name(where, field.name)
+            if bare in section_keys:  # [eval.datasets] is the section's own key, not an evaluator's options
+                raise ConfigError(
+                    f"{listed_at}: the {singular(category)} '{name}' has the name of the key {_name(where, bare)}, "
+                    f"so its options cannot have the table [{_join(where, bare)}]; it cannot be selected here."
+                )
+            table = data.pop(bare, {})
             selected.append(self._options(category, name, table, _join(where, bare), named_at=listed_at))
         known = set(self.registry.names(category))
         for key in list(data):
-            if key in known and isinstance(data[key], Mapping):
+            if key in known and key not in section_keys and isinstance(data[key], Mapping):
                 raise ConfigError(
                     f"[{_join(where, key)}] configures the {singular(category)} '{key}', which "
                     f"{key_where} does not select; add it to {key_where} or remove the table."
@@ -296,10 +367,26 @@ class _Pruner:
                 # An array replaces the earlier one whole (merge). A list that stops selecting a
                 # component whose options table an earlier layer set stays an error, naming the table.
                 continue
-            if field.metadata.get(CATEGORY):
-                out[key] = self._component(field, out[key], top[key], _join(where, key))
+            if field.metadata.get(KEYED):
+                out[key] = self._entries(field, out[key], top[key], _join(where, key))
+            elif field.metadata.get(CATEGORY):
+                default = field.default.factory().name if isinstance(field.default, attrs.Factory) else None
+                out[key] = self._component(field.metadata[CATEGORY], default, out[key], top[key], _join(where, key))
             elif attrs.has(field.type):
                 out[key] = self.section(field.type, out[key], top[key], _join(where, key))
+        return out
+
+    def _entries(self, field: Any, base: Any, top: Any, where: str) -> Any:
+        """Each entry of a KEYED table that both layers set, pruned like a component section; the
+        entry's own settings (``steps``) are never orphaned by a change of its component."""
+        if not isinstance(base, Mapping) or not isinstance(top, Mapping):
+            return base
+        fields = attrs.fields(attrs.resolve_types(field.metadata[KEYED]))
+        (chosen,) = [f for f in fields if f.metadata.get(CATEGORY)]
+        keep = frozenset(f.name for f in fields if f is not chosen)
+        out = dict(base)
+        for name in [n for n in out if n in top]:
+            out[name] = self._component(chosen.metadata[CATEGORY], None, out[name], top[name], _join(where, name), keep)
         return out
 
     def _find(self, category: str, name: Any) -> Any:
@@ -311,11 +398,13 @@ class _Pruner:
         except ForgeError:
             return None
 
-    def _component(self, field: Any, base: Any, top: Any, where: str) -> Any:
+    def _component(
+        self, category: str, default: str | None, base: Any, top: Any, where: str, keep: frozenset[str] = frozenset()
+    ) -> Any:
+        """A component table (``default``: the name when it sets none); ``keep``: keys beside its
+        options that belong to the table, not to the component."""
         if not isinstance(base, Mapping) or not isinstance(top, Mapping):
             return base
-        category = field.metadata[CATEGORY]
-        default = field.default.factory().name if isinstance(field.default, attrs.Factory) else None
         old_name = base.get("name", default)
         new_name = top.get("name", old_name)
         old, new = self._find(category, old_name), self._find(category, new_name)
@@ -324,7 +413,7 @@ class _Pruner:
         out = dict(base)
         # Only a change of component orphans options; with the same one, a wrong key is a mistake.
         if old is not new:  # the registry's one entry per component: ``cosine`` is ``forge_lm:cosine``
-            accepted = {f.name for f in attrs.fields(new.options_class)}
+            accepted = {f.name for f in attrs.fields(new.options_class)} | keep
             for key in [k for k in out if k != "name" and k not in top and k not in accepted]:
                 value = out.pop(key)
                 what = (

@@ -23,6 +23,7 @@ from forge_lm.validators import FieldError, between, non_negative, one_of, posit
 CATEGORY = "forge_lm.category"  # attrs field metadata: the component category of the field
 MANY = "forge_lm.many"  # attrs field metadata: the field selects a list of components
 ARRAY = "forge_lm.array"  # attrs field metadata: the field is an array of component tables
+KEYED = "forge_lm.keyed"  # attrs field metadata: a table of entries keyed by user-chosen names (its class)
 
 
 @attrs.frozen
@@ -221,17 +222,69 @@ class DistributedSection:
             raise FieldError("dp_shard", f"must be -1 (the rest) or at least 1, got {self.dp_shard}")
 
 
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_-]+")  # a set's name is part of its metric names
+
+
+@attrs.frozen
+class EvalSet:
+    """One named validation set, ``[eval.datasets.<set name>]``: a dataset (``name`` and its
+    options in the same table) and the two keys below, which the table reserves.
+
+    Without a ``name`` the set is the run's own ``[data]`` (its name and options), so that a
+    mixture's held-out split needs no copy of its sources.
+    """
+
+    dataset: ComponentConfig | None = attrs.field(
+        default=None,
+        metadata={
+            CATEGORY: "datasets",
+            "doc": "The dataset; unset = the run's [data].",
+            "unset": "the set is the run's [data] as configured there",  # for the loader's messages
+        },
+    )
+    split: str = attrs.field(
+        default="eval",
+        validator=one_of("eval", "train"),
+        metadata=_doc(
+            "The dataset's split to read: 'eval', its held-out part; 'train', the rest (with eval_fraction = 0, "
+            "the whole dataset: a separate validation file)."
+        ),
+    )
+    steps: int | None = attrs.field(
+        default=None, validator=positive, metadata=_doc("Batches per evaluation of this set; unset = [eval] steps.")
+    )
+
+
 @attrs.frozen
 class EvalSection:
     interval: int = attrs.field(
         default=100, validator=non_negative, metadata=_doc("Evaluate every this many steps (and at the end); 0 never.")
     )
     steps: int = attrs.field(default=4, validator=positive, metadata=_doc("Batches per evaluation."))
+    datasets: dict[str, EvalSet] = attrs.field(
+        factory=dict,
+        metadata={
+            KEYED: EvalSet,
+            "doc": (
+                "Named validation sets, [eval.datasets.<set name>], each logged as eval/<set name>/loss and "
+                "eval/<set name>/perplexity; they replace the default, the held-out split of [data] (eval/loss)."
+            ),
+        },
+    )
     evaluators: list[ComponentConfig] = components(
         "evaluators",
         (),
         "What else runs on the live model at each evaluation (a plugin's benchmarks); options in [eval.<name>].",
     )
+
+    def __attrs_post_init__(self) -> None:
+        for name in self.datasets:
+            if not EVAL_SET_NAME.fullmatch(name):
+                raise FieldError(
+                    "datasets",
+                    f"the set name {name!r} may hold only letters, digits, '_' and '-' (and at least one): it "
+                    "is part of the set's metric names, eval/<set name>/loss",
+                )
 
 
 @attrs.frozen

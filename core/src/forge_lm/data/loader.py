@@ -51,7 +51,7 @@ class BatchLoader:
             collated = collate(batch)
             if self.vocab_size is not None:
                 check_token_ids(collated, self.vocab_size, f"{self.source} (batch {self.batches})")
-            yield collated
+            yield without_trivial_documents(collated)
 
     def state_dict(self) -> dict[str, Any]:
         return {"dataset": self.dataset.state_dict(), "batches": self.batches}
@@ -71,6 +71,19 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
                 "every sample of a dataset must have the same keys."
             )
     return {key: torch.stack([sample[key] for sample in samples]) for key in keys}
+
+
+def without_trivial_documents(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` without its ``document_ids`` when every row holds one document.
+
+    Attention is then plain causal attention, which the model runs with its fused causal
+    kernels when it gets no document ids. Deciding it here, on the host, before the batch goes
+    to the device, spares the model a check on the device, which would make the host wait for
+    the device at every micro-batch."""
+    ids = batch.get("document_ids")
+    if ids is not None and ids.device.type == "cpu" and ids.numel() and bool((ids == ids[:, :1]).all()):
+        batch = {key: value for key, value in batch.items() if key != "document_ids"}
+    return batch
 
 
 def check_token_ids(batch: dict[str, torch.Tensor], vocab_size: int, where: str) -> None:

@@ -35,18 +35,26 @@ def global_grad_norm(
     return squared.sqrt()
 
 
-def clip_grad_norm(
+def clip_grads(
     parameters: Iterable[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
-) -> float:
+) -> torch.Tensor:
     """Scale the gradients so their global norm is at most ``max_norm`` (0 or inf: measure only);
-    returns the norm before clipping."""
+    returns the norm before clipping, a 0-d tensor on the gradients' device (reading it is the
+    caller's choice: it waits for the device)."""
     parameters = list(parameters)
     norm = global_grad_norm(parameters, pp_group)
     if max_norm and math.isfinite(max_norm):
         # One call per mesh: torch's foreach kernels refuse DTensors of different meshes in one list.
         for group in _by_mesh(p for p in parameters if p.grad is not None).values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
-    return norm.item()
+    return norm
+
+
+def clip_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None
+) -> float:
+    """:func:`clip_grads`, with the norm read as a number."""
+    return clip_grads(parameters, max_norm, pp_group).item()
 
 
 def _by_mesh(tensors: Iterable[torch.Tensor], grad: bool = True) -> dict[object, list[torch.Tensor]]:

@@ -210,6 +210,13 @@ class PipelineRunner:
                     f"the micro-batches of a pipeline step must have one shape; got {shape} and "
                     f"{tuple(batch['input_ids'].shape)}."
                 )
+        if any("document_ids" in batch for batch in micro_batches):
+            # The loader drops the ids of a batch whose rows each hold one document (plain causal
+            # attention); beside batches that have them, that batch is one document per row.
+            micro_batches = [
+                batch if "document_ids" in batch else {**batch, "document_ids": torch.zeros_like(batch["input_ids"])}
+                for batch in micro_batches
+            ]
         joined = {
             key: torch.cat([batch[key] for batch in micro_batches])
             for key in ("input_ids", "labels", "document_ids")

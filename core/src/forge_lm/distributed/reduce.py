@@ -44,17 +44,28 @@ def barrier(group: Any = None) -> None:
         dist.barrier(group=group)
 
 
-def mean_over_data_parallel(value: float, mesh: Any, dims: ParallelDims) -> float:
-    """The mean of ``value`` over the ranks that read different data.
+def all_ranks_true(flag: torch.Tensor) -> bool:
+    """Whether the boolean tensor ``flag`` is true on every rank: reduced on its own device (no
+    transfer before the reduction), then read once, which is the one wait for the device."""
+    value = flag.to(torch.int32).reshape(1)
+    if distributed():
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def mean_over_data_parallel(value: Any, mesh: Any, dims: ParallelDims) -> Any:
+    """The mean of ``value`` (a number, or a 0-d tensor kept on its device) over the ranks that
+    read different data; the same kind comes back (a tensor in float64).
 
     Under pipeline parallelism only the last stage computes the loss: the other stages pass 0,
     and the sum over the pipeline hands every stage the last stage's value first.
     """
+    is_tensor = isinstance(value, torch.Tensor)
     if mesh is None:
-        return value
-    total = torch.tensor([value], dtype=torch.float64)
+        return value.double() if is_tensor else value
+    total = value.detach().double().reshape(1) if is_tensor else torch.tensor([value], dtype=torch.float64)
     if dims.pp > 1:
         dist.all_reduce(total, group=mesh["pp"].get_group())
     if dims.dp_size > 1:
         dist.all_reduce(total, group=mesh["dp"].get_group())
-    return total.item() / dims.dp_size
+    return total[0] / dims.dp_size if is_tensor else total.item() / dims.dp_size

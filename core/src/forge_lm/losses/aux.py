@@ -29,7 +29,7 @@ class AuxCollector:
     """What modules reported during one forward pass, summed per name."""
 
     losses: dict[str, torch.Tensor] = attrs.Factory(dict)
-    metrics: dict[str, float] = attrs.Factory(dict)
+    metrics: dict[str, float | torch.Tensor] = attrs.Factory(dict)  # tensors read only when logged
     # Weighted terms a loss function already added to the value it returned (see report_loss_term).
     loss_terms: dict[str, torch.Tensor] = attrs.Factory(dict)
 
@@ -45,9 +45,19 @@ class AuxCollector:
         return loss
 
     def logged(self) -> dict[str, float]:
-        """Every reported loss and loss term (detached) and metric, as plain floats."""
-        tensors = {**self.losses, **self.loss_terms}
-        return {**{name: float(value.detach()) for name, value in tensors.items()}, **self.metrics}
+        """Every reported loss and loss term (detached) and metric, as plain floats: the tensors
+        are read together, in one transfer per device."""
+        reported = {**self.losses, **self.loss_terms}
+        values = {**{name: value.detach() for name, value in reported.items()}, **self.metrics}
+        by_device: dict[torch.device, list[str]] = {}
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                by_device.setdefault(value.device, []).append(name)
+        out = {name: value for name, value in values.items() if not isinstance(value, torch.Tensor)}
+        for names in by_device.values():
+            read = torch.stack([values[name].double().reshape(()) for name in names]).tolist()
+            out.update(zip(names, read, strict=True))
+        return {name: out[name] for name in values}
 
 
 _ACTIVE: contextvars.ContextVar[AuxCollector | None] = contextvars.ContextVar("forge_lm_aux", default=None)
@@ -88,7 +98,8 @@ def report_loss_term(name: str, value: torch.Tensor) -> None:
 
 
 def report_metric(name: str, value: float | torch.Tensor) -> None:
-    """Log ``value`` under ``name`` for this step (not differentiated; last report wins)."""
+    """Log ``value`` under ``name`` for this step (not differentiated; last report wins). A
+    tensor is kept on its device and read only when the step is logged: reporting costs no wait."""
     collector = _ACTIVE.get()
     if collector is not None:
-        collector.metrics[name] = float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        collector.metrics[name] = value.detach() if isinstance(value, torch.Tensor) else float(value)

@@ -50,8 +50,11 @@ def build_dataset(
     split: str,
     dp_rank: int = 0,
     dp_size: int = 1,
+    data: ComponentConfig | None = None,
 ) -> Any:
-    """The dataset of ``split`` as seen by data-parallel rank ``dp_rank`` of ``dp_size``."""
+    """The dataset of ``split`` as seen by data-parallel rank ``dp_rank`` of ``dp_size``: the
+    one ``data`` selects (a named eval set's), or the run's ``[data]``. Either way it reads the
+    run's sequence length and seed, so its windows are the model's."""
     context = DataContext(
         seq_len=config.train.seq_len,
         vocab_size=vocab_size,
@@ -62,7 +65,7 @@ def build_dataset(
         tokenizer=tokenizer,
         registry=registry,
     )
-    return build(registry, "datasets", config.data, context)
+    return build(registry, "datasets", config.data if data is None else data, context)
 
 
 class CheckedEvaluator:

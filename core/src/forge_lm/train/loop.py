@@ -43,13 +43,13 @@ from forge_lm.distributed import (
     shutdown_distributed,
 )
 from forge_lm.distributed.consistency import check_same_plugins
-from forge_lm.distributed.grads import clip_grad_norm
+from forge_lm.distributed.grads import clip_grads
 from forge_lm.distributed.health import check_health
 from forge_lm.distributed.launch import on_main_process, rank_device
 from forge_lm.distributed.pipeline import PipelineRunner
-from forge_lm.distributed.reduce import mean_over_data_parallel, rank
+from forge_lm.distributed.reduce import all_ranks_true, mean_over_data_parallel, rank
 from forge_lm.errors import ConfigError
-from forge_lm.losses.aux import collect_aux
+from forge_lm.losses.aux import AuxCollector, collect_aux
 from forge_lm.metrics.memory import MemoryMetrics
 from forge_lm.metrics.mfu import mfu, world_peak_flops
 from forge_lm.model import build_model
@@ -66,7 +66,7 @@ from forge_lm.train.components import (
 )
 from forge_lm.train.device import autocast_dtype, resolve_device, seed_everything
 from forge_lm.train.ending import collective_timeout, end_run, stop_for_plugin, warn_about_unused_plugins
-from forge_lm.train.evaluate import Evaluator
+from forge_lm.train.evaluate import EvalSets, build_eval_sets
 from forge_lm.train.profiling import StepProfiler
 from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree, check_startup
 from forge_lm.train.run_dir import RunDirectory
@@ -112,7 +112,7 @@ class _Parts:
     scheduler: Any
     loss_fn: Any
     train_batches: BatchLoader
-    evaluator: Evaluator | None
+    evaluator: EvalSets | None  # the eval data: [eval.datasets], or [data]'s held-out split
     evaluators: list[CheckedEvaluator]  # [eval] evaluators
     backends: list[Any]
     tokens_per_step: int
@@ -156,11 +156,8 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     if pipeline is not None:
         pipeline.finish(loss_fn)
     evaluator = None
-    if config.eval.interval:
-        eval_data = build_dataset(config, registry, tokenizer, vocab_size, "eval", dp_rank, dp_size)
-        evaluator = Evaluator(
-            eval_data, config.train.batch_size, config.eval.steps, device, dtype, vocab_size, "the evaluation data"
-        )
+    if config.eval.interval:  # each set's batches are read once here: a set too short fails now
+        evaluator = build_eval_sets(config, registry, tokenizer, vocab_size, dp_rank, dp_size, device, dtype)
     evaluators = []
     if config.eval.evaluators and config.eval.interval:
         if dims.pp > 1:  # an evaluator calls the whole model's forward; a stage is a part of it
@@ -298,10 +295,11 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
                 raise
             while context.step < config.train.max_steps:
                 lr = optimizer.param_groups[0]["lr"]
-                loss, grad_norm, aux = _train_step(parts, batches, config)
+                step_loss, step_norm, reports = _train_step(parts, batches, config)
                 watchdog.beat()
-                if agree(not (math.isfinite(loss) and math.isfinite(grad_norm))):
-                    bad_steps += 1
+                if not all_ranks_true(torch.isfinite(torch.stack([step_loss.float(), step_norm.float()])).all()):
+                    bad_steps += 1  # the step's one wait for the device was the check above
+                    loss, grad_norm = torch.stack([step_loss.double(), step_norm.double()]).tolist()
                     _handle_bad_step(context, checkpoints, parts.train_batches, manager, loss, grad_norm, bad_steps)
                     continue
                 bad_steps = 0
@@ -315,12 +313,16 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
                 events.set_step(step)
                 profiler.step(step)
 
-                metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **aux}
+                logging = step % config.metrics.log_interval == 0 or step == 1 or last  # step 1: the starting loss
+                metrics: dict[str, float] = {"lr": lr}
+                if logging:  # the numbers leave the device only on the steps that log them
+                    loss, grad_norm = torch.stack([step_loss.double(), step_norm.double()]).tolist()
+                    metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **reports.logged()}
                 try:
                     extra = manager.collect_metrics("forge_lm_step_end", context=context, step=step, metrics=metrics)
                     metrics.update(extra)
                 finally:  # the step happened: it is logged even when a plugin's step_end failed
-                    if step % config.metrics.log_interval == 0 or step == 1 or last:  # step 1: the starting loss
+                    if logging:
                         tokens_per_sec = parts.tokens_per_step * window_steps / (time.perf_counter() - window_start)
                         metrics["tokens_per_sec"] = tokens_per_sec
                         if parts.peak_flops is not None:  # an unknown device logs no MFU (warned once)
@@ -371,6 +373,7 @@ def _divides(interval: int, step: int) -> bool:
 
 
 def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> None:
+    """Every eval set, then ``[eval] evaluators``, then the plugins' eval_end: one record at this step."""
     with _evaluation_mode(parts.model, parts.optimizer):
         loss_of = parts.pipeline.eval_loss if parts.pipeline is not None else _loss_of(parts.model, parts.loss_fn)
         results = parts.evaluator.run(loss_of, lambda value: mean_over_data_parallel(value, parts.mesh, parts.dims))
@@ -427,37 +430,41 @@ def _handle_bad_step(
 
 def _train_step(
     parts: _Parts, batches: Iterator[dict[str, torch.Tensor]], config: ForgeConfig
-) -> tuple[float, float, dict[str, float]]:
+) -> tuple[torch.Tensor, torch.Tensor, AuxCollector]:
     """Gradients of one optimizer step over ``grad_accum_steps`` micro-batches, clipped; returns
-    (loss averaged over the data-parallel ranks, global grad norm before clipping, aux). The
-    caller steps the optimizer if all is finite.
+    (loss averaged over the data-parallel ranks, global grad norm before clipping, what the
+    modules reported in the last micro-batch). The caller steps the optimizer if all is finite.
+
+    The loss and the norm stay on the device as 0-d tensors: nothing here waits for the device,
+    so on a GPU the next micro-batch is queued while this one runs. The caller reads them once
+    per step (the finiteness check) and as numbers only on the steps it logs.
 
     The backpropagated objective is the loss function's value plus every auxiliary loss; the
     returned loss is the data loss alone (the value without the terms the loss function
     reported, such as its z-loss), so that it reads the same with or without regularizers.
-    Each auxiliary loss and loss term is in ``aux``, under its own name."""
+    Each auxiliary loss and loss term is reported under its own name."""
     model, optimizer, device, dtype = parts.model, parts.optimizer, parts.device, parts.dtype
     accum = config.train.grad_accum_steps
     optimizer.zero_grad(set_to_none=True)
+    reports = AuxCollector()
     if parts.pipeline is not None:  # the schedule runs the micro-batches through the stages
         micro_batches = [next(batches) for _ in range(accum)]
-        loss_sum, aux_logged = parts.pipeline.train_step(micro_batches) * accum, {}
+        loss_sum = torch.tensor(parts.pipeline.train_step(micro_batches) * accum, dtype=torch.float64, device=device)
     else:
-        loss_sum, aux_logged = 0.0, {}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for micro in range(accum):
             batch = next(batches)
-            with _gradient_sync(model, enabled=micro == accum - 1), collect_aux() as aux:
+            with _gradient_sync(model, enabled=micro == accum - 1), collect_aux() as reports:
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                     logits = model(batch["input_ids"], batch.get("document_ids"))
                     loss = parts.loss_fn(logits, batch["labels"])
-                aux_total = aux.total()
+                aux_total = reports.total()
                 full = loss if aux_total is None else loss + aux_total
                 (full / accum).backward()
-            loss_sum += aux.data_loss(loss).item()
-            aux_logged = aux.logged()  # statistics of the last micro-batch
+            loss_sum = loss_sum + reports.data_loss(loss).double()
     max_norm = config.train.grad_clip or math.inf  # inf: measure the norm without clipping
-    grad_norm = clip_grad_norm(model.parameters(), max_norm, parts.pp_group)
-    return mean_over_data_parallel(loss_sum / accum, parts.mesh, parts.dims), grad_norm, aux_logged
+    grad_norm = clip_grads(model.parameters(), max_norm, parts.pp_group)
+    return mean_over_data_parallel(loss_sum / accum, parts.mesh, parts.dims), grad_norm, reports
 
 
 def _loss_of(model: torch.nn.Module, loss_fn: Any) -> Any:

@@ -69,6 +69,7 @@ def main() -> int:
     unsynced = all(p.grad is None for p in parts.model.parameters())
     backward()  # a synced backward reduces (and so releases) what was accumulated; zero_grad follows
     loss, grad_norm, _ = _train_step(parts, iter(mine), config)  # starts with zero_grad
+    loss, grad_norm = loss.item(), grad_norm.item()  # the step keeps them on the device
 
     reference_loss = 0.0
     for m in micro:

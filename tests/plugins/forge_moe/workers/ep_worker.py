@@ -206,7 +206,8 @@ def run_loop_case(manager: PluginManager, extra: list[str]) -> dict:
     micro = [torch.randint(0, VOCAB, (per_rank * dp_size, SEQ + 1), generator=generator) for _ in range(accum)]
     # The data sampler interleaves: data-parallel rank r reads rows r, r + dp_size, ...
     mine = [{"input_ids": m[dp_rank::dp_size, :-1], "labels": m[dp_rank::dp_size, 1:]} for m in micro]
-    loss, grad_norm, logged = _train_step(parts, iter(mine), config)
+    loss, grad_norm, reports = _train_step(parts, iter(mine), config)
+    loss, grad_norm, logged = loss.item(), grad_norm.item(), reports.logged()  # kept on the device by the step
 
     ref_loss = 0.0
     for m in micro:
