@@ -249,7 +249,12 @@ def forge_lm_train_start(context: Any) -> None:
 
 @hookspec
 def forge_lm_step_end(context: Any, step: int, metrics: dict[str, float]) -> dict[str, float] | None:
-    """An optimizer step finished. Return extra metrics to log with it, or None."""
+    """An optimizer step finished. Return extra metrics to log with it, or None.
+
+    ``metrics`` holds the step's metrics on the steps that are logged (``loss``, ``lr``,
+    ``grad_norm``, the modules' reports; every ``[metrics] log_interval`` steps, the first and
+    the last); on the other steps only ``lr``: reading the loss from the device would make the
+    host wait for it at every step. What is returned on a step that is not logged is dropped."""
 
 
 @hookspec
