@@ -52,7 +52,7 @@ def test_the_old_name_of_a_renamed_key_suggests_the_new_name(error):
 
 ALL_SECTIONS = (
     "'checkpoint', 'data', 'distributed', 'eval', 'loss', 'metrics', 'model', 'optimizer', 'profiling', 'resilience', "
-    "'scheduler', 'tokenizer', 'train'"
+    "'scheduler', 'tokenizer', 'train', 'transforms'"
 )
 
 

@@ -8,7 +8,7 @@ import attrs
 import tomli_w
 
 from forge_lm.config._converter import converter
-from forge_lm.config._schema import ARRAY, CATEGORY, KEYED, MANY, ComponentConfig
+from forge_lm.config._schema import ARRAY, CATEGORY, KEYED, MANY, OPTIONS_OF, ComponentConfig
 
 
 def to_data(instance: Any) -> dict[str, Any]:
@@ -25,6 +25,9 @@ def to_data(instance: Any) -> dict[str, Any]:
         elif field.metadata.get(KEYED):
             if value:  # none: left out, so a config without entries dumps as it did before they existed
                 out[field.name] = {key: _entry_data(entry) for key, entry in value.items()}
+        elif field.metadata.get(OPTIONS_OF):
+            if value:  # none: left out, as in a config from before such options existed
+                out[field.name] = {name: to_data(chosen.options) for name, chosen in value.items()}
         elif field.metadata.get(MANY):
             out[field.name] = [c.name for c in value]
             for chosen in value:

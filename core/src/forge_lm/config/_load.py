@@ -19,7 +19,16 @@ import attrs
 import tomli_w
 
 from forge_lm.config._converter import CliValue, converter, describe
-from forge_lm.config._schema import ARRAY, CATEGORY, KEYED, MANY, ComponentConfig, ForgeConfig, check_cross_section
+from forge_lm.config._schema import (
+    ARRAY,
+    CATEGORY,
+    KEYED,
+    MANY,
+    OPTIONS_OF,
+    ComponentConfig,
+    ForgeConfig,
+    check_cross_section,
+)
 from forge_lm.errors import ConfigError, ForgeError, UsageError, did_you_mean, quoted_list
 from forge_lm.plugins import Registry
 from forge_lm.plugins._categories import singular
@@ -161,6 +170,9 @@ class _Walker:
             if field.metadata.get(KEYED):
                 values[field.name] = self._component_table(field, data.get(field.name, {}), where)
                 continue
+            if field.metadata.get(OPTIONS_OF):
+                values[field.name] = self._options_by_name(field, data.get(field.name, {}), where)
+                continue
             if field.metadata.get(CATEGORY):
                 # Structured even when absent, so the default component is checked and gets options.
                 value = data.get(field.name, {})
@@ -253,6 +265,26 @@ class _Walker:
             self._component(field.metadata[CATEGORY], table, f"{key_where}[{index}]", field=None)
             for index, table in enumerate(tables)
         ]
+
+    def _options_by_name(self, field: Any, tables: Any, where: str) -> dict[str, ComponentConfig]:
+        """``[transforms.<name>]``: options of the components named by the keys."""
+        key_where = _join(where, field.name)
+        category = field.metadata[CATEGORY]
+        if not isinstance(tables, Mapping):
+            raise ConfigError(
+                f"{_name(where, field.name)}: expected tables, [{key_where}.<{singular(category)}>], "
+                f"got {describe(tables)}."
+            )
+        chosen = {}
+        for name, table in tables.items():
+            entry_where = _join(key_where, name)
+            if not isinstance(table, Mapping):
+                raise ConfigError(f"[{entry_where}] must be a table of the {singular(category)}'s options.")
+            found = self._options(category, name, table, entry_where, named_at=f"[{entry_where}]")
+            if any(other.component is found.component for other in chosen.values()):
+                raise ConfigError(f"[{entry_where}]: the {singular(category)} '{name}' has a table already.")
+            chosen[name] = found
+        return chosen
 
     def _component_table(self, field: Any, tables: Any, where: str) -> dict[str, Any]:
         """Entries keyed by names the user chose (``[eval.datasets.<name>]``). The field's KEYED
@@ -363,9 +395,12 @@ class _Pruner:
         out = dict(base)
         for field in attrs.fields(attrs.resolve_types(cls)):
             key = field.name
-            if field.metadata.get(MANY) or field.metadata.get(ARRAY) or key not in out or key not in top:
+            if field.metadata.get(MANY) or field.metadata.get(ARRAY) or field.metadata.get(OPTIONS_OF):
                 # An array replaces the earlier one whole (merge). A list that stops selecting a
                 # component whose options table an earlier layer set stays an error, naming the table.
+                # Options by name never change component: nothing to orphan.
+                continue
+            if key not in out or key not in top:
                 continue
             if field.metadata.get(KEYED):
                 out[key] = self._entries(field, out[key], top[key], _join(where, key))

@@ -24,6 +24,7 @@ CATEGORY = "forge_lm.category"  # attrs field metadata: the component category o
 MANY = "forge_lm.many"  # attrs field metadata: the field selects a list of components
 ARRAY = "forge_lm.array"  # attrs field metadata: the field is an array of component tables
 KEYED = "forge_lm.keyed"  # attrs field metadata: a table of entries keyed by user-chosen names (its class)
+OPTIONS_OF = "forge_lm.options_of"  # attrs field metadata: options of always-present components, by name
 
 
 @attrs.frozen
@@ -67,6 +68,13 @@ def component_array(category: str, doc: str) -> Any:
     """A config field holding an array of component tables (``[[data.sources]]``), each with
     its own ``name`` and options; for components that compose others (a data mixture)."""
     return attrs.field(factory=list, metadata={CATEGORY: category, ARRAY: True, "doc": doc})
+
+
+def component_options(category: str, doc: str) -> Any:
+    """A config field holding options of components that are all present at once (every
+    registered model transform), one table per component it configures (``[transforms.<name>]``);
+    a component without a table gets its default options."""
+    return attrs.field(factory=dict, metadata={CATEGORY: category, OPTIONS_OF: True, "doc": doc})
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -410,6 +418,9 @@ class ForgeConfig:
     metrics: MetricsSection = attrs.field(factory=MetricsSection)
     distributed: DistributedSection = attrs.field(factory=DistributedSection)
     profiling: ProfilingSection = attrs.field(factory=ProfilingSection)
+    transforms: dict[str, ComponentConfig] = component_options(
+        "model_transforms", "Options of model transforms, one table each: [transforms.<name>]."
+    )
 
 
 def check_cross_section(config: ForgeConfig) -> list[tuple[str, str]]:

@@ -13,8 +13,9 @@ FSDP2 shards every parameter over the data-parallel mesh and must see the final 
 Within one slot, transforms run in name order. Pipeline parallelism is not a transform: it
 splits the model into stages first, and every stage then goes through this list.
 
-A transform is registered in the ``model_transforms`` category; its factory takes its
-(empty) options and returns a :class:`ModelTransform`. ``enabled(context)`` decides from the
+A transform is registered in the ``model_transforms`` category; its factory takes its options
+(typed by the class it registers, set in the run config's ``[transforms.<name>]`` table, the
+defaults where the config has none) and returns a :class:`ModelTransform`. ``enabled(context)`` decides from the
 config and the mesh whether it applies; ``apply(model, context)`` changes the model in place
 and keeps parameter names (checkpoints and plugins address parameters by name).
 """
@@ -69,11 +70,15 @@ class ModelTransform:
     apply: Callable[[nn.Module, TransformContext], None]
 
 
-def ordered_transforms(registry: Any) -> list[tuple[str, ModelTransform]]:
-    """Every registered transform as ``(name, transform)``, in application order."""
+def ordered_transforms(registry: Any, config: ForgeConfig | None = None) -> list[tuple[str, ModelTransform]]:
+    """Every registered transform as ``(name, transform)``, in application order, each built
+    with its options from ``config.transforms`` (its defaults where it has no table)."""
+    # By the registry's entry: [transforms.forge-lm:compile] and [transforms.compile] are one.
+    configured = {id(chosen.component): chosen.options for chosen in (config.transforms.values() if config else ())}
     found = []
     for component in registry.components("model_transforms"):
-        transform = component.build(component.options_class())
+        options = configured.get(id(component)) or component.options_class()
+        transform = component.build(options)
         if not isinstance(transform, ModelTransform):
             raise PluginError(
                 f"model transform '{component.name}' of {component.plugin.label} returned "
@@ -91,7 +96,7 @@ def ordered_transforms(registry: Any) -> list[tuple[str, ModelTransform]]:
 def apply_model_transforms(model: nn.Module, context: TransformContext, registry: Any) -> list[str]:
     """Apply every enabled transform to ``model`` in order; returns the names applied."""
     applied = []
-    for name, transform in ordered_transforms(registry):
+    for name, transform in ordered_transforms(registry, context.config):
         if transform.enabled(context):
             transform.apply(model, context)
             applied.append(name)
