@@ -24,6 +24,7 @@ WORKER = Path(__file__).parent / "workers" / "data_parallel_worker.py"
         pytest.param(["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2, id="replicated"),
         pytest.param(["--distributed.dp_replicate=2", "--distributed.dp_shard=2"], 4, id="hsdp-4-ranks"),
         pytest.param(["--distributed.dp_shard=2", "--optimizer.name=muon"], 2, id="fsdp2-muon"),
+        pytest.param(["--distributed.dp_shard=2", "--distributed.defer_grad_reduction=true"], 2, id="fsdp2-deferred"),
     ],
 )
 def test_step_matches_the_single_process_step(tmp_path: Path, layout: list[str], nproc: int) -> None:
@@ -32,7 +33,11 @@ def test_step_matches_the_single_process_step(tmp_path: Path, layout: list[str],
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     numbers = json.loads(out.read_text())
     assert numbers["sharded"]  # the parameters really are DTensors spread over the ranks
-    assert numbers["unsynced_micro_batch"]  # no gradient reduction before the step's last micro-batch
+    assert numbers["unsynced_micro_batch"]  # a micro-batch without reduction leaves the sharded gradients alone
+    # By default each micro-batch reduce-scatters: between them a rank holds only gradient shards
+    # (FSDP's memory saving); deferred, it holds its unsharded gradients inside FSDP until the last.
+    deferred = "--distributed.defer_grad_reduction=true" in layout
+    assert numbers["grads_between_micro_batches"] == (["none"] if deferred else ["sharded"])
     assert numbers["master_dtypes"] == ["torch.float32"]
     assert (numbers["fsdp_param_dtype"], numbers["fsdp_reduce_dtype"]) == ("None", "None")
     assert numbers["clipped"]  # the comparison covers clipping with the global norm

@@ -211,6 +211,14 @@ class DistributedSection:
         validator=positive,
         metadata=_doc("Expert-parallel degree (a plugin's MoE layers); divides dp_shard."),
     )
+    defer_grad_reduction: bool = attrs.field(
+        default=False,
+        metadata=_doc(
+            "Under FSDP2 with grad_accum_steps > 1, keep full unsharded gradients on every rank until the step's "
+            "last micro-batch and reduce once (less communication, more memory); false reduce-scatters after "
+            "every micro-batch and keeps only this rank's shard."
+        ),
+    )
     pp_schedule: str = attrs.field(
         default="1f1b",
         validator=one_of("1f1b", "gpipe"),

@@ -26,6 +26,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from forge_lm import events
 from forge_lm.checkpoint import CheckpointManager
@@ -454,7 +455,8 @@ def _train_step(
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for micro in range(accum):
             batch = next(batches)
-            with _gradient_sync(model, enabled=micro == accum - 1), collect_aux() as reports:
+            sync = micro == accum - 1 or not config.distributed.defer_grad_reduction
+            with _gradient_sync(model, enabled=sync), collect_aux() as reports:
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                     logits = model(batch["input_ids"], batch.get("document_ids"))
                     loss = parts.loss_fn(logits, batch["labels"])
@@ -475,15 +477,14 @@ def _loss_of(model: torch.nn.Module, loss_fn: Any) -> Any:
 
 
 def _gradient_sync(model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-    """Skip the data-parallel gradient sync on all but the last micro-batch of a step."""
-    if enabled:
+    """Skip the data-parallel gradient reduction of one micro-batch (``enabled`` False): FSDP2
+    then keeps its unsharded gradients until a micro-batch that reduces
+    (``[distributed] defer_grad_reduction``). Forge's data parallelism is FSDP2 (replication is
+    FSDP2 over a 1-rank shard group); one process has nothing to reduce."""
+    if enabled or not isinstance(model, FSDPModule):
         return contextlib.nullcontext()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
-        return _restore_sync(model)
-    if hasattr(model, "no_sync"):  # DistributedDataParallel
-        return model.no_sync()
-    return contextlib.nullcontext()  # one process: nothing to sync
+    model.set_requires_gradient_sync(False)
+    return _restore_sync(model)
 
 
 @contextlib.contextmanager

@@ -68,7 +68,25 @@ def main() -> int:
         backward()
     unsynced = all(p.grad is None for p in parts.model.parameters())
     backward()  # a synced backward reduces (and so releases) what was accumulated; zero_grad follows
-    loss, grad_norm, _ = _train_step(parts, iter(mine), config)  # starts with zero_grad
+    between: set[str] = set()  # the gradients' state before each micro-batch after the first
+
+    def grads_state() -> str:
+        grads = [p.grad for p in parts.model.parameters()]
+        if all(g is None for g in grads):
+            return "none"
+        shards = all(
+            g is not None and g.to_local().shape == p.to_local().shape
+            for g, p in zip(grads, parts.model.parameters(), strict=True)
+        )
+        return "sharded" if shards else "other"
+
+    def watching(batches):
+        for index, batch in enumerate(batches):
+            if index:
+                between.add(grads_state())
+            yield batch
+
+    loss, grad_norm, _ = _train_step(parts, watching(mine), config)  # starts with zero_grad
     loss, grad_norm = loss.item(), grad_norm.item()  # the step keeps them on the device
 
     reference_loss = 0.0
@@ -99,6 +117,9 @@ def main() -> int:
         "fsdp_reduce_dtype": str(policy.reduce_dtype),
         "master_dtypes": sorted({str(p.dtype) for p in parts.model.parameters()}),
         "unsynced_micro_batch": unsynced,
+        # Between micro-batches of the step: each rank holds only its shard of every gradient
+        # (reduced after each micro-batch), or none yet when the reduction is deferred.
+        "grads_between_micro_batches": sorted(between),
         "loss": loss,
         "reference_loss": reference_loss,
         "grad_norm": grad_norm,
