@@ -3,7 +3,9 @@
 A small fault-injection plugin is installed for these runs (a real distribution on the
 subprocesses' path). Environment variables tell it what to do:
 
-- FAULT_SIGNAL_AT=<step>:<SIGTERM|SIGUSR1>: the process signals itself after that step;
+- FAULT_SIGNAL_AT=<step>:<SIGTERM|SIGUSR1>: the process signals itself after that step (in its
+  step_end); the ranks agree on a signal with the next step's loss, so that next step is the one
+  checkpointed before the run stops;
 - FAULT_HANG_SAVE_AT=<step>: saving the checkpoint of that step hangs;
 - FAULT_KILL_SAVE_AT=<step>: the process is killed (SIGKILL) while that checkpoint is written;
 - the loss ``nan_once`` returns NaN on its ``at_call``-th call.
@@ -157,7 +159,7 @@ def straight(site, tmp_path_factory) -> dict[int, float]:
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
 def test_signal_saves_exits_75_and_resume_is_bitwise_identical(site, straight, tmp_path, sig):
     run_dir = tmp_path / "run"
-    stopped = forge_train(site, run_dir, signal_at=f"6:{sig}")
+    stopped = forge_train(site, run_dir, signal_at=f"5:{sig}")
     assert stopped.returncode == 75, stopped.stderr
     assert f"forge: {sig} received: saved a checkpoint at step 6 and stopped" in stopped.stderr
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_6"
@@ -197,7 +199,7 @@ def test_signal_saves_exits_75_and_resume_is_bitwise_identical(site, straight, t
 def test_async_checkpoints_resume_bitwise_identical(site, straight, tmp_path):
     run_dir = tmp_path / "run"
     stopped = forge_train(
-        site, run_dir, "--checkpoint.async_save=true", "--checkpoint.interval=2", signal_at="7:SIGTERM"
+        site, run_dir, "--checkpoint.async_save=true", "--checkpoint.interval=2", signal_at="6:SIGTERM"
     )
     assert stopped.returncode == 75, stopped.stderr
     resumed = forge_train(site, run_dir, "--checkpoint.async_save=true", "--checkpoint.interval=2")
@@ -207,7 +209,7 @@ def test_async_checkpoints_resume_bitwise_identical(site, straight, tmp_path):
 
 def test_a_hanging_save_after_a_signal_is_cut_off_by_the_timer(site, tmp_path):
     run_dir = tmp_path / "run"
-    done = forge_train(site, run_dir, "--resilience.signal_timeout=2", signal_at="6:SIGTERM", hang_save_at="6")
+    done = forge_train(site, run_dir, "--resilience.signal_timeout=2", signal_at="5:SIGTERM", hang_save_at="6")
     assert done.returncode == 76, done.stderr
     assert "the checkpoint did not finish within 2 s" in done.stderr
     assert events(run_dir)[-1] | {"time": 0} == {
@@ -230,7 +232,7 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_in_charge(site, 
 
 def test_a_corrupt_newest_checkpoint_is_reported_and_an_older_one_used(site, straight, tmp_path):
     run_dir = tmp_path / "run"
-    assert forge_train(site, run_dir, signal_at="8:SIGTERM").returncode == 75
+    assert forge_train(site, run_dir, signal_at="7:SIGTERM").returncode == 75
     newest = run_dir / "checkpoints" / "step_8"
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated

@@ -44,13 +44,26 @@ def barrier(group: Any = None) -> None:
         dist.barrier(group=group)
 
 
-def all_ranks_true(flag: torch.Tensor) -> bool:
-    """Whether the boolean tensor ``flag`` is true on every rank: reduced on its own device (no
-    transfer before the reduction), then read once, which is the one wait for the device."""
-    value = flag.to(torch.int32).reshape(1)
+def agree_on_step(
+    loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool, dims: ParallelDims
+) -> tuple[torch.Tensor, bool, bool]:
+    """What every rank must agree on after a step's backward, in one collective and one read:
+    ``(the loss averaged over the ranks that read different data, whether the loss and the
+    gradient norm are finite on every rank, whether any rank asks to stop)``.
+
+    ``loss``: this rank's data loss (0 on pipeline stages without the head), ``grad_norm`` the
+    global norm, both 0-d tensors on the training device; ``stop``: a preemption signal noted
+    here. The three are summed over all ranks in one all-reduce on the device: the ranks of a
+    tensor-parallel group hold the same loss, pipeline stages but the last hold 0, so the sum
+    divided by the data-parallel and tensor-parallel degrees is the mean over the data. The
+    mean stays a tensor; the two flags are read, the step's one wait for the device."""
+    finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+    stop_flag = torch.tensor(1.0 if stop else 0.0, dtype=torch.float64, device=loss.device)
+    packed = torch.stack([loss.detach().double(), (~finite).double(), stop_flag])
     if distributed():
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item())
+        dist.all_reduce(packed)
+    bad_ranks, stopping_ranks = packed[1:].tolist()
+    return packed[0] / (dims.dp_size * dims.tp), bad_ranks == 0, stopping_ranks > 0
 
 
 def mean_over_data_parallel(value: Any, mesh: Any, dims: ParallelDims) -> Any:

@@ -48,13 +48,14 @@ from forge_lm.distributed.grads import clip_grads
 from forge_lm.distributed.health import check_health
 from forge_lm.distributed.launch import on_main_process, rank_device
 from forge_lm.distributed.pipeline import PipelineRunner
-from forge_lm.distributed.reduce import all_ranks_true, mean_over_data_parallel, rank
+from forge_lm.distributed.reduce import agree_on_step, mean_over_data_parallel, rank
 from forge_lm.errors import ConfigError
 from forge_lm.losses.aux import AuxCollector, collect_aux
 from forge_lm.metrics.memory import MemoryMetrics
 from forge_lm.metrics.mfu import mfu, world_peak_flops
 from forge_lm.model import build_model
 from forge_lm.model.flops import active_parameter_count, flops_per_token
+from forge_lm.model.init import materialize
 from forge_lm.model.memory import check_memory, model_vocab_size
 from forge_lm.plugins import PluginManager
 from forge_lm.plugins._calls import PluginHookFailed
@@ -145,13 +146,22 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     tokenizer = build(registry, "tokenizers", config.tokenizer)
     vocab_size = _vocab_size(config, tokenizer)
     check_memory(config, vocab_size, registry, dims, device, dtype, agree)  # a run that cannot fit stops here
-    model = build_model(config.model, vocab_size, registry).to(device)
+    # Under torchrun no rank holds the whole model: it is built on the meta device (no memory),
+    # cut into a stage and transformed, then materialized below, each rank allocating and
+    # initialising only its shards. Initial values depend on the seed and parameter names
+    # alone, so every layout starts from the one-process weights (forge_lm.model.init).
+    on_meta = dims.distributed
+    model = build_model(
+        config.model, vocab_size, registry, seed=config.train.seed, device="meta" if on_meta else device
+    )
     flops = flops_per_token(config.model, active_parameter_count(model), config.train.seq_len)
     pipeline = None
     if dims.pp > 1:
         pipeline = PipelineRunner(model, dims, mesh, device, dtype, config.train.grad_accum_steps)
         model = pipeline.module  # this rank's stage; the transforms below apply to it
     applied = apply_model_transforms(model, TransformContext(config, dims, mesh, device, dtype), registry)
+    if on_meta:
+        materialize(model, device, config.train.seed)
     optimizer = build(registry, "optimizers", config.optimizer, model)
     loss_fn = build(registry, "losses", config.loss)
     if pipeline is not None:
@@ -296,10 +306,12 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
                 raise
             while context.step < config.train.max_steps:
                 lr = optimizer.param_groups[0]["lr"]
-                step_loss, step_norm, reports = _train_step(parts, batches, config)
+                local_loss, step_norm, reports = _train_step(parts, batches, config)
                 watchdog.beat()
-                if not all_ranks_true(torch.isfinite(torch.stack([step_loss.float(), step_norm.float()])).all()):
-                    bad_steps += 1  # the step's one wait for the device was the check above
+                stop_noted = preemption.received is not None
+                step_loss, finite, preempted = agree_on_step(local_loss, step_norm, stop_noted, parts.dims)
+                if not finite:
+                    bad_steps += 1  # the step's one wait for the device was the agreement above
                     loss, grad_norm = torch.stack([step_loss.double(), step_norm.double()]).tolist()
                     _handle_bad_step(context, checkpoints, parts.train_batches, manager, loss, grad_norm, bad_steps)
                     continue
@@ -337,7 +349,8 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
                     watchdog.beat()
                     window_start = time.perf_counter()  # evaluation time is not training throughput
 
-                preempted = preemption.requested()
+                # Whether any rank had a preemption signal by the end of this step's backward (agreed
+                # with the loss); one arriving later is acted on after the next step.
                 if _divides(config.checkpoint.interval, step) or last or preempted:
                     save = partial(save_run, checkpoints, context, parts.train_batches, manager)
                     saves.attempt(save, last_chance=last or preempted, why="preemption" if preempted else "final")
@@ -433,12 +446,14 @@ def _train_step(
     parts: _Parts, batches: Iterator[dict[str, torch.Tensor]], config: ForgeConfig
 ) -> tuple[torch.Tensor, torch.Tensor, AuxCollector]:
     """Gradients of one optimizer step over ``grad_accum_steps`` micro-batches, clipped; returns
-    (loss averaged over the data-parallel ranks, global grad norm before clipping, what the
-    modules reported in the last micro-batch). The caller steps the optimizer if all is finite.
+    (this rank's loss, averaged over its micro-batches; the global grad norm before clipping;
+    what the modules reported in the last micro-batch). The caller agrees with the other ranks
+    on the mean loss and on finiteness (:func:`agree_on_step`) and steps the optimizer if all is
+    finite.
 
     The loss and the norm stay on the device as 0-d tensors: nothing here waits for the device,
     so on a GPU the next micro-batch is queued while this one runs. The caller reads them once
-    per step (the finiteness check) and as numbers only on the steps it logs.
+    per step (the agreement) and as numbers only on the steps it logs.
 
     The backpropagated objective is the loss function's value plus every auxiliary loss; the
     returned loss is the data loss alone (the value without the terms the loss function
@@ -466,7 +481,7 @@ def _train_step(
             loss_sum = loss_sum + reports.data_loss(loss).double()
     max_norm = config.train.grad_clip or math.inf  # inf: measure the norm without clipping
     grad_norm = clip_grads(model.parameters(), max_norm, parts.pp_group)
-    return mean_over_data_parallel(loss_sum / accum, parts.mesh, parts.dims), grad_norm, reports
+    return loss_sum / accum, grad_norm, reports
 
 
 def _loss_of(model: torch.nn.Module, loss_fn: Any) -> Any:

@@ -101,15 +101,12 @@ class _SignalNote:
 
 
 class PreemptionWatcher(_SignalNote):
-    """Notes SIGTERM/SIGUSR1 so that the loop can finish its step and checkpoint; from the
-    signal on, a timer forces the exit (76) after ``timeout`` seconds in case the save hangs."""
+    """Notes SIGTERM/SIGUSR1 so that the loop can finish its step and checkpoint (the ranks
+    agree on it with the step's loss: :func:`forge_lm.distributed.reduce.agree_on_step`); from
+    the signal on, a timer forces the exit (76) after ``timeout`` seconds in case the save hangs."""
 
     def __init__(self, timeout: float) -> None:
         super().__init__(timeout, _force_exit)
-
-    def requested(self) -> bool:
-        """Whether any rank received a preemption signal (agreed across ranks)."""
-        return agree(self.received is not None)
 
 
 class StartupSignals(_SignalNote):

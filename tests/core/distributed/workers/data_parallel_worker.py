@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from forge_lm.config import load_config
 from forge_lm.distributed.launch import exit_process
+from forge_lm.distributed.reduce import mean_over_data_parallel
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.train.components import build
@@ -87,7 +88,8 @@ def main() -> int:
             yield batch
 
     loss, grad_norm, _ = _train_step(parts, watching(mine), config)  # starts with zero_grad
-    loss, grad_norm = loss.item(), grad_norm.item()  # the step keeps them on the device
+    loss = mean_over_data_parallel(loss, parts.mesh, parts.dims).item()  # the step returns this rank's loss
+    grad_norm = grad_norm.item()
 
     reference_loss = 0.0
     for m in micro:

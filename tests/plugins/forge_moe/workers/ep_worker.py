@@ -41,6 +41,7 @@ from forge_lm.distributed import (
 )
 from forge_lm.distributed.grads import clip_grad_norm
 from forge_lm.distributed.launch import exit_process
+from forge_lm.distributed.reduce import mean_over_data_parallel
 from forge_lm.losses.aux import collect_aux
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
@@ -207,7 +208,8 @@ def run_loop_case(manager: PluginManager, extra: list[str]) -> dict:
     # The data sampler interleaves: data-parallel rank r reads rows r, r + dp_size, ...
     mine = [{"input_ids": m[dp_rank::dp_size, :-1], "labels": m[dp_rank::dp_size, 1:]} for m in micro]
     loss, grad_norm, reports = _train_step(parts, iter(mine), config)
-    loss, grad_norm, logged = loss.item(), grad_norm.item(), reports.logged()  # kept on the device by the step
+    loss = mean_over_data_parallel(loss, parts.mesh, parts.dims).item()  # the step returns this rank's loss
+    grad_norm, logged = grad_norm.item(), reports.logged()
 
     ref_loss = 0.0
     for m in micro:
