@@ -52,12 +52,12 @@ from _record import alternate, median, save
 
 from forge_lm.config import load_config, to_data
 from forge_lm.data.loader import BatchLoader
+from forge_lm.distributed.reduce import agree_on_step
 from forge_lm.metrics.mfu import cpu_peak_flops, mfu
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.train import loop
 from forge_lm.train.components import build, build_dataset
-from forge_lm.train.resilience import agree
 
 # --------------------------------------------------------------------------------------
 # The machine's matmul peak
@@ -150,20 +150,25 @@ class ForgeSide:
         with quiet():
             for _ in range(steps):
                 lr = optimizer.param_groups[0]["lr"]
-                loss, grad_norm, aux = loop._train_step(self.parts, self.batches, config)
-                if self.first is None:
-                    self.first = (loss, grad_norm)
-                if agree(not (math.isfinite(loss) and math.isfinite(grad_norm))):
-                    raise RuntimeError(f"non-finite loss {loss} in the benchmark")
+                local_loss, norm, reports = loop._train_step(self.parts, self.batches, config)
+                step_loss, finite, _ = agree_on_step(local_loss, norm, False, self.parts.dims)
+                if not finite:
+                    raise RuntimeError("non-finite loss or gradient norm in the benchmark")
+                if self.first is None:  # read once, after the loop's own single read of the step
+                    self.first = (step_loss.item(), norm.item())
                 optimizer.step()
                 self.scheduler.step()
                 context.step += 1
                 context.tokens_seen += self.tokens_per_step
                 step, self.window_steps = context.step, self.window_steps + 1
-                metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **aux}
+                logging = step % config.metrics.log_interval == 0
+                metrics: dict[str, float] = {"lr": lr}
+                if logging:  # as the loop: the numbers leave the device only on logged steps
+                    loss, grad_norm = torch.stack([step_loss.double(), norm.double()]).tolist()
+                    metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **reports.logged()}
                 for extra in self.manager.hook.forge_lm_step_end(context=context, step=step, metrics=dict(metrics)):
                     metrics.update(extra)
-                if step % config.metrics.log_interval == 0:
+                if logging:
                     elapsed = time.perf_counter() - self.window_start
                     tokens_per_sec = self.tokens_per_step * self.window_steps / elapsed
                     metrics["tokens_per_sec"] = tokens_per_sec
@@ -210,7 +215,7 @@ class PlainSide:
         self.forward = torch.compile(self.model) if compile_model else self.model
         self.inputs = [b["input_ids"] for b in batches]
         self.labels = [b["labels"] for b in batches]
-        self.documents = [b["document_ids"] if document_mask else None for b in batches]
+        self.documents = [b.get("document_ids") if document_mask else None for b in batches]
         self.device_type = forge.device.type
         self.dtype = forge.dtype
         self.grad_clip = forge.config.train.grad_clip or math.inf  # 0: no clipping, but the norm still measured
