@@ -1,16 +1,20 @@
-"""The ``hf_text`` dataset: local text or JSON-lines files, read with Hugging Face ``datasets``.
+"""The ``hf_text`` dataset: local text, JSON-lines or Parquet files, read with Hugging Face ``datasets``.
 
 Rows are documents: with ``format = "text"`` a row is a whole file, a paragraph or a line
-(``sample_by``); with ``"json"``/``"jsonl"`` a row is a JSON object whose ``text_field`` holds
-the document. Rows are split by ``eval_fraction`` (spread through the files' order), and each
-split is tokenized and packed into one token stream in memory, so the corpus must fit in
-memory as tokens; for larger corpora run ``forge prepare-data`` and use the ``memmap``
-dataset. ``datasets`` keeps its own cache of the parsed files (``cache_dir``).
+(``sample_by``); with ``"json"``/``"jsonl"``/``"parquet"`` a row is a record whose
+``text_field`` holds the document. Rows are split by ``eval_fraction`` (spread through the
+files' order), and each split is tokenized and packed into one token stream in memory, so the
+corpus must fit in memory as tokens; ``datasets`` keeps its own cache of the parsed files
+(``cache_dir``). For larger corpora, either run ``forge prepare-data`` and use the ``memmap``
+dataset, or set ``streaming = true``: the files are then read as a stream and tokenized on the
+fly (:mod:`forge_lm.data.streaming`), with the same rows, split and packing.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from forge_lm.components import DataContext
@@ -20,7 +24,12 @@ from forge_lm.data.splits import held_out_rule
 from forge_lm.data.windows import WindowDataset
 from forge_lm.errors import ConfigError, ForgeError
 
-SUFFIXES = {"text": (".txt", ".text", ".md"), "json": (".json", ".jsonl"), "jsonl": (".json", ".jsonl")}
+SUFFIXES = {
+    "text": (".txt", ".text", ".md"),
+    "json": (".json", ".jsonl"),
+    "jsonl": (".json", ".jsonl"),
+    "parquet": (".parquet",),
+}
 
 
 def _import_datasets() -> Any:
@@ -31,24 +40,33 @@ def _import_datasets() -> Any:
             "dataset 'hf_text' needs the Hugging Face 'datasets' library, which is not installed: "
             "pip install forge-lm[hf]"
         ) from None
+    # The files are local: no request to the Hub's download counter at each file opened (the
+    # streaming reader opens one per file and pass, and a host without network waits on each).
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
     return datasets
+
+
+def reader(options: Any) -> tuple[str, dict[str, Any]]:
+    """The ``datasets`` builder that reads ``options.format``, and its settings."""
+    if options.format == "text":
+        return "text", {"sample_by": options.sample_by, "keep_linebreaks": True}
+    return ("parquet" if options.format == "parquet" else "json"), {}
 
 
 def load_rows(options: Any) -> Any:
     """The rows of the files ``options.path`` names, as a ``datasets.Dataset``."""
     datasets = _import_datasets()
     files = [str(path) for path in resolve_files(options.path, SUFFIXES[options.format], "hf_text")]
-    if options.format == "text":
-        builder, settings = "text", {"sample_by": options.sample_by, "keep_linebreaks": True}
-    else:
-        builder, settings = "json", {}
+    builder, settings = reader(options)
     try:
         rows = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=options.cache_dir, **settings)
     except Exception as exc:  # datasets raises many kinds for a malformed file; each means the same
-        cause = exc.__cause__ or exc
-        raise ForgeError(
-            f"dataset 'hf_text' cannot read '{options.path}' as {options.format}: {type(cause).__name__}: {cause}"
-        ) from exc
+        # The error does not say which file: the first with a bad line is named, if one has.
+        for file in map(Path, files):
+            where = first_bad_line(file, options.format)
+            if where is not None:
+                raise unreadable(file, options.format, exc, where) from exc
+        raise unreadable(Path(options.path), options.format, exc) from exc
     if options.format != "text" and options.text_field not in rows.column_names:
         raise ConfigError(
             f"dataset 'hf_text': the rows of '{options.path}' have no field '{options.text_field}'; set "
@@ -69,7 +87,13 @@ def _documents(rows: Any, field: str, fraction: float, split: str) -> Iterator[s
             index += 1
 
 
-def build_hf_text(options: Any, context: DataContext) -> WindowDataset:
+def build_hf_text(options: Any, context: DataContext) -> Any:
+    if options.streaming:
+        from forge_lm.data.streaming import StreamingTextDataset
+
+        datasets = _import_datasets()
+        files = resolve_files(options.path, SUFFIXES[options.format], "hf_text")
+        return StreamingTextDataset(options, context, files, datasets)
     tokenizer = check_tokenizer(context.tokenizer, context.vocab_size, "hf_text")
     rows = load_rows(options)
     field = "text" if options.format == "text" else options.text_field
@@ -81,3 +105,42 @@ def build_hf_text(options: Any, context: DataContext) -> WindowDataset:
         )
     source = f"the {context.split} split of the hf_text data at '{options.path}'"
     return WindowDataset(TokenStream([tokens]), context, eos_id=tokenizer.eos_id, source=source)
+
+
+def unreadable(path: Path, format: str, exc: BaseException, where: str | None = None) -> ForgeError:
+    """The error for a file the reader failed on: ``where`` in it (:func:`first_bad_line`), else
+    what the reader said."""
+    cause = exc.__cause__ or exc
+    return ForgeError(
+        f"dataset 'hf_text' cannot read '{path}' as {format}: {where or f'{type(cause).__name__}: {cause}'}"
+    )
+
+
+def first_bad_line(path: Path, format: str) -> str | None:
+    """The first line of ``path`` that is not UTF-8 (or, in a ``.jsonl`` file, not a JSON
+    object), as "line N is ..."; None when there is none (the fault is elsewhere, or the file is
+    Parquet). Run on failure only: Arrow's messages count rows within a block of the file, not
+    its lines."""
+    if format == "parquet":
+        return None
+    json_lines = path.suffix == ".jsonl"
+    try:
+        with path.open("rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    return f"line {number} is not UTF-8 text (byte {error.start + 1} of the line: {error.reason})"
+                if not json_lines or not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError as error:
+                    return f"line {number} is not valid JSON ({error.msg}, column {error.colno})"
+                except (ValueError, RecursionError) as error:  # nested too deeply, or a number too long
+                    return f"line {number} is not valid JSON ({type(error).__name__})"
+                if not isinstance(value, dict):
+                    return f"line {number} holds a JSON {type(value).__name__}, not an object with a text field"
+    except OSError as error:
+        return f"{type(error).__name__}: {error}"
+    return None

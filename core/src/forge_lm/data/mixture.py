@@ -5,7 +5,9 @@ Sample ``i`` of a rank comes from source ``j`` with probability ``p_j`` proporti
 < 1 sharpens it). The choice is a function of ``(seed, i)`` alone, drawn from counter-based
 randomness, so there is no random state to save: the state is ``i`` plus each source's own
 state. It is also the same on every data-parallel rank (each source shards itself), so the
-ranks draw from the same source at each step and rank 0's state resumes all of them.
+ranks draw from the same source at each step and rank 0's state resumes all of them. (A
+streaming ``hf_text`` source, whose position differs from rank to rank, gathers every rank's
+position into its own state when it is saved, so this holds for it too.)
 
 ``phases`` change the weights over time: sample ``i`` uses the weights of the first phase
 whose ``until_sample`` exceeds ``i``, and ``weights`` once every phase is over. Samples

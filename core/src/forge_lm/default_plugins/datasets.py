@@ -12,7 +12,7 @@ import attrs
 
 from forge_lm.config import ComponentConfig, component_array
 from forge_lm.hookspecs import hookimpl
-from forge_lm.validators import FieldError, one_of, positive
+from forge_lm.validators import FieldError, non_negative, one_of, positive
 
 FORGE_LM_PLUGIN_API = ">=1,<2"
 
@@ -40,13 +40,24 @@ class MemmapOptions:
 @attrs.define
 class HfTextOptions:
     path: str  # a file, a directory of files, or a glob ("corpus/**/*.jsonl")
-    format: str = attrs.field(default="text", validator=one_of("text", "json", "jsonl"))
-    text_field: str = "text"  # json/jsonl: the field holding each document's text
+    format: str = attrs.field(default="text", validator=one_of("text", "json", "jsonl", "parquet"))
+    text_field: str = "text"  # json/jsonl/parquet: the field holding each document's text
     sample_by: str = attrs.field(  # text: one document per file, per paragraph or per line
         default="document", validator=one_of("document", "paragraph", "line")
     )
     eval_fraction: float = _eval_fraction(0.01)  # share of documents held out
-    cache_dir: str | None = None  # the datasets library's cache; unset = its default
+    cache_dir: str | None = None  # the datasets library's cache; unset = its default (not used when streaming)
+    streaming: bool = False  # read the files as a stream, tokenizing on the fly: no corpus held in memory
+    # streaming, train split: windows shuffled in blocks of this many, held in memory (0 = file order)
+    shuffle_buffer: int = attrs.field(default=0, validator=non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        if self.shuffle_buffer and not self.streaming:
+            raise FieldError(
+                "shuffle_buffer",
+                "applies to streaming = true only (without streaming every window is shuffled already); "
+                "set streaming = true or remove it",
+            )
 
 
 def _check_weights(key: str, weights: list[float], count: int) -> None:
@@ -101,7 +112,8 @@ def forge_lm_register_datasets(register):
         "hf_text",
         "forge_lm.data.hf_text:build_hf_text",
         config=HfTextOptions,
-        description="Local text or JSON-lines files read with Hugging Face datasets (pip install forge-lm[hf])",
+        description="Local text, JSON-lines or Parquet files read with Hugging Face datasets, in memory or streamed "
+        "(pip install forge-lm[hf])",
     )
     register(
         "mixture",
