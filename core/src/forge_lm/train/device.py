@@ -16,9 +16,20 @@ ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOCATOR_DEFAULT = "expandable_segments:True"
 
 
+# A NCCL collective that fails or times out must end the process, not leave it waiting on a
+# broken communicator until the job's time limit: then the job script sees the exit and can
+# requeue. 3 ("skip clean-up") tears the process down without NCCL's own clean-up, which can
+# itself hang on a dead peer. Torch's default today, set explicitly so that the choice does not
+# change under Forge with a torch release; a user's own setting is kept.
+NCCL_ERRORS_VARIABLE = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ERRORS_DEFAULT = "3"
+
+
 def use_expandable_segments() -> None:
-    """Forge's allocator setting for a CUDA run, unless the environment has one."""
+    """Forge's CUDA settings, unless the environment has its own: the allocator's expandable
+    segments and NCCL's asynchronous error handling."""
     os.environ.setdefault(ALLOCATOR_VARIABLE, ALLOCATOR_DEFAULT)
+    os.environ.setdefault(NCCL_ERRORS_VARIABLE, NCCL_ERRORS_DEFAULT)
 
 
 def resolve_device(setting: str) -> torch.device:
