@@ -30,6 +30,7 @@ PACKAGES = {  # distribution name -> its directory; the order of PACKAGES in the
     "forge-optim-muon": REPO / "plugins" / "forge-optim-muon",
     "forge-wandb": REPO / "plugins" / "forge-wandb",
     "forge-prometheus": REPO / "plugins" / "forge-prometheus",
+    "forge-lm-eval": REPO / "plugins" / "forge-lm-eval",
 }
 CORE = "forge-lm"
 
@@ -89,19 +90,26 @@ def _declared(wheel: Path) -> list[Requirement]:
 def reused_site(wheelhouse, tmp_path_factory) -> Path:
     """Symlinks to the installed third-party distributions the wheels need, and to nothing else."""
     ours = {canonicalize_name(name) for name in PACKAGES}
-    wanted = [r for name in PACKAGES for r in _declared(wheel_of(wheelhouse, name))]
+    # (requirement, the extra of the distribution that asked for it, "" for none)
+    wanted = [(r, "") for name in PACKAGES for r in _declared(wheel_of(wheelhouse, name))]
     found: dict[str, importlib.metadata.Distribution] = {}
+    followed: set[tuple[str, str]] = set()  # (distribution, extra) whose requirements are queued
     while wanted:
-        requirement = wanted.pop()
+        requirement, extra = wanted.pop()
         key = canonicalize_name(requirement.name)
-        if key in ours or key in found:
+        if key in ours:
             continue
-        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": extra}):
             continue
-        dist = importlib.metadata.distribution(requirement.name)
-        assert requirement.specifier.contains(dist.version, prereleases=True), (requirement, dist.version)
-        found[key] = dist
-        wanted.extend(Requirement(line) for line in dist.requires or [])
+        if key not in found:
+            dist = importlib.metadata.distribution(requirement.name)
+            assert requirement.specifier.contains(dist.version, prereleases=True), (requirement, dist.version)
+            found[key] = dist
+        # A requirement with extras (datasets needs fsspec[http]) brings what those extras need too.
+        for wanted_extra in ("", *sorted(requirement.extras)):
+            if (key, wanted_extra) not in followed:
+                followed.add((key, wanted_extra))
+                wanted.extend((Requirement(line), wanted_extra) for line in found[key].requires or [])
     site = tmp_path_factory.mktemp("reused-site")
     for dist in found.values():
         root = Path(dist.locate_file(""))

@@ -38,6 +38,7 @@ TINY = (
     "--eval.interval=0",
 )
 SYNTHETIC = (*TINY, "--data.name=synthetic")
+LM_EVAL_TASKS = REPO / "tests" / "plugins" / "forge_lm_eval" / "tasks"  # local lm-eval tasks: nothing to download
 BUILTIN_PLUGINS = {
     "core.optimizers",
     "core.schedulers",
@@ -68,6 +69,8 @@ class Venv:
             "PIP_NO_INDEX": "1",  # never the network, whatever a step asks for
             "PIP_DISABLE_PIP_VERSION_CHECK": "1",
             "PIP_NO_INPUT": "1",
+            "HF_HUB_OFFLINE": "1",  # lm-eval and datasets: local tasks only, nothing from the Hub
+            "HF_DATASETS_OFFLINE": "1",
         }
 
     def run(self, *argv: str | Path, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess[str]:
@@ -122,6 +125,7 @@ class PluginCase:
     components: dict[str, set[str]]  # at least these, by category
     train_args: tuple[str, ...]  # a training that needs the plugin
     missing: tuple[str, ...]  # what `forge train` says without it
+    cwd: Path | None = None  # where `forge train` runs; unset: the test's temporary directory
 
 
 CASES = [
@@ -152,6 +156,21 @@ CASES = [
         {"metrics_backends": {"prometheus"}},
         (*SYNTHETIC, '--metrics.backends=["jsonl", "prometheus"]', "--metrics.prometheus.port=0"),
         ("unknown metrics backend 'prometheus'.", "pip install forge-prometheus"),
+    ),
+    PluginCase(
+        "forge-lm-eval",
+        "lm_eval",
+        {"evaluators": {"lm_eval"}},
+        (
+            *SYNTHETIC,
+            "--eval.interval=3",
+            "--eval.steps=1",
+            '--eval.evaluators=["lm_eval"]',
+            '--eval.lm_eval.tasks=["choice.yaml", "complete.yaml"]',
+            "--eval.lm_eval.limit=2",
+        ),
+        ("unknown evaluator 'lm_eval'.", "pip install forge-lm-eval"),
+        cwd=LM_EVAL_TASKS,  # the tasks' data files are named relative to it
     ),
 ]
 
@@ -190,7 +209,8 @@ def _ran_with(run_dir: Path) -> set[str]:
 
 @pytest.mark.parametrize("case", CASES, ids=[case.distribution for case in CASES])
 def test_plugin_arrives_with_pip_install_and_leaves_with_pip_uninstall(venv, tmp_path, case):
-    before = venv.forge("train", *case.train_args, f"--train.output_dir={tmp_path / 'before'}", cwd=tmp_path)
+    cwd = case.cwd or tmp_path
+    before = venv.forge("train", *case.train_args, f"--train.output_dir={tmp_path / 'before'}", cwd=cwd)
     assert before.returncode == 2
     for text in case.missing:
         assert text in before.stderr
@@ -203,7 +223,7 @@ def test_plugin_arrives_with_pip_install_and_leaves_with_pip_uninstall(venv, tmp
             assert names <= set(plugin["components"][category])
 
         run_dir = tmp_path / "with"
-        done = venv.forge("train", *case.train_args, f"--train.output_dir={run_dir}", cwd=tmp_path)
+        done = venv.forge("train", *case.train_args, f"--train.output_dir={run_dir}", cwd=cwd)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip().endswith(f"run directory {run_dir}")
         assert _ran_with(run_dir) == {"forge-lm", case.distribution}
@@ -214,7 +234,7 @@ def test_plugin_arrives_with_pip_install_and_leaves_with_pip_uninstall(venv, tmp
 
     assert case.distribution not in venv.installed()
     assert set(venv.plugins()) == BUILTIN_PLUGINS
-    after = venv.forge("train", *case.train_args, f"--train.output_dir={tmp_path / 'after'}", cwd=tmp_path)
+    after = venv.forge("train", *case.train_args, f"--train.output_dir={tmp_path / 'after'}", cwd=cwd)
     assert after.returncode == 2
     assert after.stderr == before.stderr  # the same clear message as before it was ever installed
     assert not (tmp_path / "after").exists()

@@ -1,8 +1,11 @@
-"""``forge export-hf RUN_OR_CHECKPOINT OUT_DIR``: write a checkpoint in Hugging Face Llama format."""
+"""``forge export-hf RUN_OR_CHECKPOINT OUT_DIR``: write a checkpoint in Hugging Face Llama format,
+with the run's tokenizer in Hugging Face form beside it."""
 
 from __future__ import annotations
 
-HELP = "export a checkpoint as a Hugging Face model (Llama, or what a plugin maps it to)"
+import sys
+
+HELP = "export a checkpoint and its tokenizer for Hugging Face (Llama, or what a plugin maps it to)"
 TAKES_OVERRIDES = False
 
 
@@ -18,11 +21,23 @@ def run(args, overrides, plugins) -> int:
     import json
 
     from forge_lm.model.hf import export_with_plugins
+    from forge_lm.tokenizers.hf_export import save_hf_tokenizer
     from forge_lm.train.inference import load_for_inference
 
     manager = plugins()
     model, config, tokenizer = load_for_inference(args.checkpoint, manager)
     out = export_with_plugins(manager, model, config.model, args.output, eos_id=tokenizer.eos_id)
+    # The tokenizer goes through the command, not the model's exporter, so a plugin's model
+    # (Mixtral through forge-moe) gets it too.
+    written = save_hf_tokenizer(tokenizer, out, config.model.max_seq_len)
     architecture = json.loads((out / "config.json").read_text()).get("architectures", ["model"])[0]
-    print(f"wrote a Hugging Face {architecture} to {out}")
+    if written:
+        print(f"wrote a Hugging Face {architecture} and its tokenizer to {out}")
+    else:
+        print(f"wrote a Hugging Face {architecture} to {out}")
+        print(
+            f"forge: warning: the run's tokenizer '{config.tokenizer.name}' has no Hugging Face form Forge knows; "
+            f"{out} holds no tokenizer",
+            file=sys.stderr,
+        )
     return 0

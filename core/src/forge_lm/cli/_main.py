@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "generate": "forge_lm.cli._generate",
     "prepare-data": "forge_lm.cli._prepare_data",
     "train-tokenizer": "forge_lm.cli._train_tokenizer",
+    "eval": "forge_lm.cli._eval",
     "export-hf": "forge_lm.cli._export_hf",
     "import-hf": "forge_lm.cli._import_hf",
     "plot": "forge_lm.cli._plot",

@@ -13,12 +13,13 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     "optimizers": {"muon": "forge-optim-muon"},
     "feed_forwards": {"moe": "forge-moe"},
     "routers": {"softmax_topk": "forge-moe", "sigmoid_topk": "forge-moe"},
-    "model_transforms": {"expert_parallel": "forge-moe", "moe_load_sync": "forge-moe"},
+    "model_transforms": {"expert_parallel": "forge-moe", "moe_load_sync": "forge-moe", "float8": "forge-float8"},
     "metrics_backends": {"wandb": "forge-wandb", "prometheus": "forge-prometheus"},
+    "evaluators": {"lm_eval": "forge-lm-eval"},
 }
 
 
-FIRST_PARTY = ("forge-moe", "forge-optim-muon", "forge-prometheus", "forge-wandb")
+FIRST_PARTY = ("forge-float8", "forge-lm-eval", "forge-moe", "forge-optim-muon", "forge-prometheus", "forge-wandb")
 
 
 def known_provider(category: str, name: str) -> str | None:

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 class ByteTokenizer:
     vocab_size = 257
     eos_id = 256
+    # The end-of-text id has no text of its own; this is the name it gets in Hugging Face form
+    # (forge export-hf), where every token needs one.
+    eos_token = "<|endoftext|>"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

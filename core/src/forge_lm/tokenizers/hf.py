@@ -31,9 +31,10 @@ class HfTokenizer:
     tokens, so decoding a packed sequence reads as text.
     """
 
-    def __init__(self, tokenizer: Any, eos_token: str) -> None:
+    def __init__(self, tokenizer: Any, eos_token: str, path: Path | None = None) -> None:
         self._tokenizer = tokenizer
         self.eos_token = eos_token
+        self.path = path  # the tokenizer.json it was read from, if any (forge export-hf copies it)
         self.eos_id: int = tokenizer.token_to_id(eos_token)
         # One past the largest id rather than get_vocab_size(): vocabularies may skip ids,
         # and the model's embedding must cover every id the tokenizer can produce.
@@ -112,6 +113,6 @@ def _special_tokens(tokenizer: Any) -> str:
 
 
 def build_hf_tokenizer(options) -> HfTokenizer:
-    tokenizer = load_tokenizer(options.path)
-    eos_token = choose_eos_token(tokenizer, Path(options.path).expanduser(), options.eos_token)
-    return HfTokenizer(tokenizer, eos_token)
+    path = Path(options.path).expanduser()
+    tokenizer = load_tokenizer(path)
+    return HfTokenizer(tokenizer, choose_eos_token(tokenizer, path, options.eos_token), path)

@@ -1,0 +1,1 @@
+"""forge-lm-eval: EleutherAI's lm-evaluation-harness for Forge models."""
