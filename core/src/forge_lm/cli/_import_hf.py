@@ -37,7 +37,8 @@ def run(args, overrides, plugins) -> int:
     # The default training sequence length may exceed what a small imported model accepts.
     layers = {"model": model_table, "train": {"seq_len": min(TrainSection().seq_len, model_table["max_seq_len"])}}
     if (hf_dir / "tokenizer.json").is_file():
-        layers["tokenizer"] = {"name": "hf", "path": str(hf_dir / "tokenizer.json")}
+        # Absolute: the run's config.toml must find it from wherever the run is later used.
+        layers["tokenizer"] = {"name": "hf", "path": str((hf_dir / "tokenizer.json").resolve())}
     config = structure_config(merge(layers, parse_overrides(overrides)), manager.registry)
     manager.configure(config)
 
