@@ -121,3 +121,58 @@ class MetricsBackend(Protocol):
 
     def finish(self, summary: Mapping[str, float]) -> None:
         """Called once at the end; flush and close. Nothing logged before may be lost."""
+
+
+@runtime_checkable
+class Initializer(Protocol):
+    """What a module's ``init_weights(init)`` receives: the way every parameter and buffer of a
+    model gets its initial value (:mod:`forge_lm.model.init` implements it).
+
+    Under ``torchrun`` the model is built on the meta device, transformed (tensor, expert and
+    data parallelism) and only then given memory, each rank its own shards; a module's
+    tensors may then be DTensors holding a part of the whole. ``init`` writes the right part:
+    each value depends on the run's seed and the tensor's fully-qualified name only, so every
+    layout, and one process, start from the same weights. A module therefore draws nothing
+    from torch's global generator and writes no tensor directly; it names its own attributes:
+
+    .. code-block:: python
+
+        def init_weights(self, init):
+            init.normal(self.w_in, init.std)
+            init.normal(self.w_out, init.residual_std)  # writes into the residual stream
+            init.zeros(self.bias)
+            init.zeros(self.running_count)  # buffers too: after to_empty they hold garbage
+            init.module(self.router)  # a child, by its own init_weights or the default rule
+
+    Every parameter and buffer must be set by some rule; the build names any that is not. A
+    feed-forward layer (or any submodule passed to :meth:`module`) without ``init_weights``
+    gets the default rule: linear and embedding weights ``normal(0, std)``, biases 0, norm
+    scales 1.
+    """
+
+    std: float  # [model] init_std
+    residual_std: float  # init_std / sqrt(2 * n_layers): projections into the residual stream
+    seed: int  # the run's seed
+
+    def normal(self, tensor: Any, std: float, mean: float = 0.0) -> None:
+        """Fill ``tensor`` (a parameter or buffer of the model) from ``normal(mean, std)``."""
+
+    def ones(self, tensor: Any) -> None:
+        """Fill ``tensor`` with 1."""
+
+    def zeros(self, tensor: Any) -> None:
+        """Fill ``tensor`` with 0."""
+
+    def constant(self, tensor: Any, value: float) -> None:
+        """Fill ``tensor`` with ``value``."""
+
+    def copy(self, tensor: Any, values: Any) -> None:
+        """Set ``tensor`` to ``values``, a whole tensor of its (global) shape computed on any
+        device: for values that follow from the config, such as lookup tables. Each rank keeps
+        its part; memory for one such tensor is needed briefly on every rank."""
+
+    def module(self, module: Any) -> None:
+        """Initialise a child module by its own ``init_weights(init)``, or the default rule."""
+
+    def name_of(self, tensor: Any) -> str:
+        """The fully-qualified name of ``tensor`` in the model (``layers.3.feed_forward.w1``)."""

@@ -168,9 +168,15 @@ def forge_lm_register_feed_forwards(register: Any) -> None:
     factory sees the layer index, so it can build a different layer per index (MoE every
     n-th layer). The module may define:
 
-    - ``init_weights(std, residual_std)``: called by the model instead of its default init
-      (every ``nn.Linear`` drawn from ``normal(0, std)``); ``residual_std`` is for the
-      projection that writes into the residual stream.
+    - ``init_weights(init)``: called by the model instead of its default rule (every
+      ``nn.Linear`` and ``nn.Embedding`` weight drawn from ``normal(0, init.std)``, biases 0,
+      norm scales 1). ``init`` is a :class:`forge_lm.components.Initializer`: the module sets
+      each of its parameters and buffers through it (``init.normal(self.w2.weight,
+      init.residual_std)`` for the projection that writes into the residual stream), never
+      with ``torch.nn.init`` or torch's global generator. Under ``torchrun`` the layer is built
+      on the meta device and may be sharded before it is initialised; ``init`` writes each
+      rank's part of the values one process would get. The earlier form
+      ``init_weights(std, residual_std)`` is refused with a message.
     - ``active_parameter_count() -> int``: the parameters one token uses (MFU counts these
       instead of walking the module's children), for layers that use only part of their
       weights per token.

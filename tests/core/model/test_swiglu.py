@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from forge_lm.default_plugins.feed_forwards import SwiGLUOptions
+from forge_lm.model.init import initialize
 from forge_lm.model.swiglu import SwiGLU, build_swiglu, swiglu_hidden
 
 
@@ -44,9 +45,8 @@ def test_forward_is_down_of_silu_gate_times_up_without_biases():
 
 
 def test_init_weights_gives_the_down_projection_the_residual_std():
-    torch.manual_seed(0)
     layer = SwiGLU(256, 512)
-    layer.init_weights(std=0.02, residual_std=0.005)
+    initialize(layer, seed=0, std=0.02, residual_std=0.005)  # runs layer.init_weights(init)
     for weight, std in ((layer.w1.weight, 0.02), (layer.w3.weight, 0.02), (layer.w2.weight, 0.005)):
         assert abs(weight.std().item() - std) < 0.02 * std  # 131072 samples: sampling error ~0.2%
         assert abs(weight.mean().item()) < 0.02 * std

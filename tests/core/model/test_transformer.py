@@ -236,9 +236,10 @@ class ScaledMLP(nn.Module):
 class SelfInitMLP(ScaledMLP):
     """The same layer, initialising itself: records what the model asked for."""
 
-    def init_weights(self, std: float, residual_std: float) -> None:
-        self.init_args = (std, residual_std)
-        nn.init.zeros_(self.inner[0].weight)
+    def init_weights(self, init) -> None:
+        self.init_args = (init.std, init.residual_std)
+        init.zeros(self.inner[0].weight)
+        init.normal(self.inner[2].weight, init.residual_std)
 
 
 class FeedForwardPlugin:

@@ -10,6 +10,7 @@ from forge_lm.config import load_config
 from forge_lm.errors import ConfigError
 from forge_lm.losses.aux import collect_aux
 from forge_lm.model.flops import active_parameter_count
+from forge_lm.model.init import initialize
 from forge_lm.model.swiglu import SwiGLU
 from forge_lm.testing import parametrize_with_checks
 from forge_moe.experts import capacity, dispatch, expert_swiglu, grouped_mm_works
@@ -27,7 +28,11 @@ class FixedRouter(torch.nn.Module):
     def __init__(self, indices: list[list[int]], n_experts: int) -> None:
         super().__init__()
         self.indices = torch.tensor(indices)
-        self.weight = torch.nn.Parameter(torch.rand(len(indices), len(indices[0])) + 0.5)
+        self.fixed = torch.rand(len(indices), len(indices[0])) + 0.5
+        self.weight = torch.nn.Parameter(self.fixed.clone())
+
+    def init_weights(self, init) -> None:
+        init.copy(self.weight, self.fixed)  # every parameter is set through init: these fixed values
 
     def forward(self, x: torch.Tensor) -> Routing:
         return Routing(self.indices, self.weight, {})
@@ -55,7 +60,8 @@ def softmax_layer(kernel: str = "auto", **kwargs) -> MoELayer:
     layer = MoELayer(
         DIM, 0, SoftmaxTopKRouter(DIM, 6, 2), n_experts=6, top_k=2, expert_hidden=HIDDEN, kernel=kernel, **kwargs
     )
-    layer.init_weights(0.3, 0.3)  # weights large enough that a wrong expert changes the output visibly
+    # Weights large enough that a wrong expert changes the output visibly.
+    initialize(layer, seed=0, std=0.3, residual_std=0.3)
     return layer
 
 
@@ -130,7 +136,7 @@ def test_dispatch_drops_exactly_the_assignments_beyond_capacity_in_priority_orde
 def test_dropped_assignments_contribute_nothing_and_routing_statistics_are_reported():
     torch.manual_seed(0)
     layer = MoELayer(DIM, 3, FixedRouter(CHOICES, 3), n_experts=3, top_k=2, expert_hidden=HIDDEN, capacity_factor=0.5)
-    layer.init_weights(0.3, 0.3)
+    initialize(layer, seed=0, std=0.3, residual_std=0.3)
     x = torch.randn(1, 6, DIM)
     with collect_aux() as aux:
         y = layer.train()(x)

@@ -7,8 +7,11 @@ the token embedding, the last the final norm and the output head. A stage is the
 :class:`~forge_lm.model.transformer.Transformer` with the other stages' parts set to ``None``
 and ``layers`` a ``ModuleDict`` keyed by the blocks' global indices, so parameter names are
 the full model's (``layers.3.attention.wq.weight``): checkpoints address parameters by name,
-and one saved with one ``pp`` loads with another. Every rank builds the full model from the
-same seed, so the stages start from the same weights as one process would.
+and one saved with one ``pp`` loads with another. The training loop builds the full model on
+the meta device (no memory), keeps this rank's stage, transforms it and only then gives it
+memory and initial values (:func:`forge_lm.model.init.materialize`): a rank allocates its own
+blocks only, and since each value depends on the seed and the parameter's name alone, the
+stages start from the weights one process would have.
 
 Schedules. ``torch.distributed.pipelining`` runs the stages: ``gpipe`` (all forwards, then all
 backwards) or ``1f1b`` (one forward, one backward in the steady state: at most ``pp``
@@ -145,8 +148,9 @@ class PipelineRunner:
     Contract used by the training loop (forge_lm.train.loop):
 
     - ``PipelineRunner(model, dims, mesh, device, dtype, microbatches)``: ``model`` is the
-      full, initialised Transformer (identical on every rank); keeps only this rank's stage
-      (the model is reduced in place). Raises a ConfigError for what cannot be pipelined (tied
+      full Transformer, identical on every rank: initialised, or on the meta device (the
+      loop's way: the stage is materialized after the transforms); keeps only this rank's
+      stage (the model is reduced in place). Raises a ConfigError for what cannot be pipelined (tied
       embeddings, fewer layers than stages, too few microbatches for 1f1b).
     - ``.module``: this rank's stage, an ``nn.Module`` whose parameter names are those of the
       full model (``layers.3.attention.wq.weight``); the model transforms are applied to it.

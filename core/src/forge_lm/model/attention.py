@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +11,9 @@ from torch import nn
 from forge_lm.model.kv_cache import KVCache
 from forge_lm.model.norms import RMSNorm
 from forge_lm.model.rope import apply_rope
+
+if TYPE_CHECKING:
+    from forge_lm.components import Initializer
 
 
 class Attention(nn.Module):
@@ -61,14 +66,15 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # [B, H, T, Dh]
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def init_weights(self, std: float, residual_std: float) -> None:
-        """Projections ``normal(0, std)``, the residual projection ``wo`` ``normal(0, residual_std)``, norms 1."""
+    def init_weights(self, init: Initializer) -> None:
+        """Projections ``normal(0, init.std)``, the residual projection ``wo``
+        ``normal(0, init.residual_std)``, the QK-norm scales 1."""
         for linear in (self.wq, self.wk, self.wv):
-            nn.init.normal_(linear.weight, mean=0.0, std=std)
-        nn.init.normal_(self.wo.weight, mean=0.0, std=residual_std)
+            init.normal(linear.weight, init.std)
+        init.normal(self.wo.weight, init.residual_std)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
-                norm.reset_parameters()
+                init.ones(norm.weight)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

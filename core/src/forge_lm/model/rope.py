@@ -8,8 +8,13 @@ without permuting the rows of ``wq`` and ``wk``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from forge_lm.components import Initializer
 
 
 class RotaryEmbedding(nn.Module):
@@ -25,6 +30,12 @@ class RotaryEmbedding(nn.Module):
         cos, sin = rope_tables(head_dim, max_seq_len, theta)
         self.register_buffer("cos", cos, persistent=False)  # [max_seq_len, head_dim]
         self.register_buffer("sin", sin, persistent=False)  # [max_seq_len, head_dim]
+
+    def init_weights(self, init: Initializer) -> None:
+        """The tables of the config, into buffers that may be fresh from ``to_empty`` (a meta build)."""
+        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.theta)
+        init.copy(self.cos, cos)
+        init.copy(self.sin, sin)
 
     def reset_tables(self) -> None:
         """Recompute the tables in fp32 where they are (after ``to_empty``, or a cast to bf16)."""

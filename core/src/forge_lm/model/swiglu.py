@@ -12,6 +12,8 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
+    from forge_lm.components import Initializer
+
 
 def swiglu_hidden(dim: int, hidden_multiplier: float, multiple_of: int) -> int:
     """Hidden size ``multiple_of * ceil(hidden_multiplier * dim / multiple_of)``.
@@ -55,11 +57,12 @@ class SwiGLU(nn.Module):
             "w2": RowwiseParallel(output_layouts=Shard(1)),
         }
 
-    def init_weights(self, std: float, residual_std: float) -> None:
-        """Gate and up projections ``normal(0, std)``; the residual (down) projection ``normal(0, residual_std)``."""
-        nn.init.normal_(self.w1.weight, mean=0.0, std=std)
-        nn.init.normal_(self.w3.weight, mean=0.0, std=std)
-        nn.init.normal_(self.w2.weight, mean=0.0, std=residual_std)
+    def init_weights(self, init: Initializer) -> None:
+        """Gate and up projections ``normal(0, init.std)``; the residual (down) projection
+        ``normal(0, init.residual_std)``."""
+        init.normal(self.w1.weight, init.std)
+        init.normal(self.w3.weight, init.std)
+        init.normal(self.w2.weight, init.residual_std)
 
 
 def build_swiglu(options, dim: int, layer_index: int) -> SwiGLU:

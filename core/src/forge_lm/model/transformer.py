@@ -10,9 +10,10 @@ maps them onto Hugging Face's.
 
 from __future__ import annotations
 
-import math
+import contextlib
+import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,9 +21,13 @@ from torch import nn
 from forge_lm.config import ModelSection
 from forge_lm.errors import ForgeError, PluginError
 from forge_lm.model.attention import Attention, attention_mask
+from forge_lm.model.init import initialize
 from forge_lm.model.kv_cache import KVCache
 from forge_lm.model.norms import build_norm
 from forge_lm.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from forge_lm.components import Initializer
 
 
 class Block(nn.Module):
@@ -50,21 +55,18 @@ class Block(nn.Module):
         x = x + self.attention(self.attention_norm(x), cos, sin, mask, is_causal, kv_cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
-    def init_weights(self, std: float, residual_std: float) -> None:
-        self.attention.init_weights(std, residual_std)
+    def init_weights(self, init: Initializer) -> None:
+        self.attention.init_weights(init)
         for norm in (self.attention_norm, self.ffn_norm):
-            nn.init.ones_(norm.weight)
-        init = getattr(self.feed_forward, "init_weights", None)
-        if callable(init):  # the layer knows which of its projections write into the residual stream
-            init(std, residual_std)
-        else:
-            for module in self.feed_forward.modules():
-                if isinstance(module, nn.Linear):
-                    nn.init.normal_(module.weight, mean=0.0, std=std)
+            init.ones(norm.weight)
+        # The layer's own init_weights(init) knows which of its projections write into the
+        # residual stream; without one, the default rule (linear weights normal(0, std), biases 0).
+        init.module(self.feed_forward)
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model; build it with :func:`build_model`.
+    """Decoder-only language model; build it with :func:`build_model` (the constructor allocates
+    the parameters but leaves Forge's initialisation, :meth:`init_weights`, to it).
 
     ``forward(input_ids [B, T], document_ids [B, T] | None, kv_cache) -> logits [B, T, vocab]``.
     Weights are created in fp32; mixed precision is the caller's ``torch.autocast``, under which
@@ -86,7 +88,6 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight  # one tensor, [vocab, dim], in both places
-        self.init_weights()
 
     @property
     def tied(self) -> bool:
@@ -94,23 +95,26 @@ class Transformer(nn.Module):
             return False
         return self.output.weight is self.tok_embeddings.weight
 
-    def init_weights(self) -> None:
+    def init_weights(self, init: Initializer) -> None:
         """Scaled init: matrices and the embedding ``normal(0, init_std)``, residual projections
         (attention ``wo``, the feed-forward's down projection) ``normal(0, init_std / sqrt(2 * n_layers))``
-        so the residual stream's variance does not grow with depth (GPT-2), norm scales 1.
+        (``init.residual_std``) so the residual stream's variance does not grow with depth (GPT-2),
+        norm scales 1, the RoPE tables recomputed.
 
-        Draws in a fixed order (embedding, layers in order, head), so ``torch.manual_seed`` makes
-        it deterministic.
+        Every value comes from ``init`` (:mod:`forge_lm.model.init`): it depends on the seed and the
+        parameter's name only, so this model, a pipeline stage of it (the parts it holds) and any
+        sharded layout start from the same weights.
         """
-        std = self.config.init_std
-        residual_std = std / math.sqrt(2 * self.config.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for layer in self.layers:
-            layer.init_weights(std, residual_std)
-        nn.init.ones_(self.norm.weight)
-        if not self.tied:
-            nn.init.normal_(self.output.weight, mean=0.0, std=std)
-        self.rope.reset_tables()
+        if self.tok_embeddings is not None:
+            init.normal(self.tok_embeddings.weight, init.std)
+        layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
+        for layer in layers:
+            layer.init_weights(init)
+        if self.norm is not None:
+            init.ones(self.norm.weight)
+        if self.output is not None and not self.tied:
+            init.normal(self.output.weight, init.std)
+        self.rope.init_weights(init)
 
     def new_kv_cache(self, max_len: int | None = None) -> KVCache:
         """An empty cache for up to ``max_len`` tokens (default ``max_seq_len``)."""
@@ -172,15 +176,46 @@ class Transformer(nn.Module):
             )
 
 
-def build_model(config: ModelSection, vocab_size: int, registry: Any) -> Transformer:
-    """The model of ``config`` with a ``vocab_size`` vocabulary, initialised (seed first for determinism).
+def build_model(
+    config: ModelSection,
+    vocab_size: int,
+    registry: Any,
+    *,
+    seed: int | None = None,
+    device: torch.device | str | None = None,
+) -> Transformer:
+    """The model of ``config`` with a ``vocab_size`` vocabulary, initialised from ``seed``.
 
     The feed-forward layer of block ``i`` is ``registry.resolve("feed_forwards", config.ffn.name)
     .build(options, config.dim, i)``; unset options (``ComponentConfig(name)`` built in code) mean
     the component's defaults.
+
+    ``seed``: the run's seed; None takes ``torch.initial_seed()``, the seed ``torch.manual_seed``
+    last set, so ``torch.manual_seed(s); build_model(...)`` is ``build_model(..., seed=s)``. Each
+    value depends on the seed and its parameter's name only (:mod:`forge_lm.model.init`).
+    ``device``: where the tensors are created (default: torch's default device). On ``"meta"``
+    nothing is allocated or initialised: transform the model, then
+    :func:`forge_lm.model.init.materialize` it (what a sharded run does).
     """
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ForgeError(f"vocab_size must be a positive integer, got {vocab_size!r}; set [model] vocab_size.")
+    # Constructors draw default values from torch's global generator (nn.Linear's own init),
+    # except on the meta device: fork it, so that what comes after the build draws the same
+    # numbers whatever the layout.
+    place = torch.device(device) if device is not None else None
+    cuda = (
+        [place.index if place.index is not None else torch.cuda.current_device()]
+        if place and place.type == "cuda"
+        else []
+    )
+    with torch.random.fork_rng(devices=cuda), place if place is not None else contextlib.nullcontext():
+        model = _construct(config, vocab_size, registry)
+    if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        initialize(model, torch.initial_seed() if seed is None else seed)
+    return model
+
+
+def _construct(config: ModelSection, vocab_size: int, registry: Any) -> Transformer:
     component = registry.resolve("feed_forwards", config.ffn.name)
     options = config.ffn.options if config.ffn.options is not None else component.options_class()
     feed_forwards = [component.build(options, config.dim, i) for i in range(config.n_layers)]

@@ -125,8 +125,10 @@ def _is_moe(context: TransformContext) -> bool:
 
 def shard_experts(experts: nn.Module, ep_mesh: Any) -> None:
     """Replace the stacked weights of ``experts`` by this rank's slice, as DTensors ``Shard(0)``
-    on ``ep_mesh``. Every rank built the same full weights (the core seeds them alike), so each
-    keeps its slice without communication."""
+    on ``ep_mesh``, without communication. In the training loop the weights are still on the
+    meta device: the slice is a shape, and materializing the model later fills it with this
+    rank's experts of the one-process model (``GroupedExperts.init_weights``). Weights built
+    with values (the same on every rank, from one seed) keep their values."""
     from torch.distributed.tensor import DTensor, Shard
 
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()

@@ -14,7 +14,7 @@ units concatenated), so parameters, FLOPs and outputs are those of ``N`` experts
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from forge_lm.losses.aux import report_aux_loss, report_metric
 from forge_lm.model.swiglu import SwiGLU, swiglu_hidden
 from forge_moe.experts import capacity, dispatch, expert_swiglu
 
+if TYPE_CHECKING:
+    from forge_lm.components import Initializer
+
 
 class GroupedExperts(nn.Module):
     """``n_experts`` SwiGLU experts as stacked weights, ``nn.Linear`` layout per expert."""
@@ -35,11 +38,17 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down: writes into the residual stream
+        for weight in (self.w1, self.w3, self.w2):  # a standalone default; a model's build sets them by init_weights
+            nn.init.normal_(weight, mean=0.0, std=0.02)
 
-    def init_weights(self, std: float, residual_std: float) -> None:
-        nn.init.normal_(self.w1, mean=0.0, std=std)
-        nn.init.normal_(self.w3, mean=0.0, std=std)
-        nn.init.normal_(self.w2, mean=0.0, std=residual_std)
+    def init_weights(self, init: Initializer) -> None:
+        """Gate and up ``normal(0, init.std)``, down ``normal(0, init.residual_std)``. Under expert
+        parallelism the weights are DTensors holding this rank's experts; ``init`` fills exactly
+        those with the values the one-process experts get (each value depends on the seed and
+        the parameter's name, not on which rank holds it)."""
+        init.normal(self.w1, init.std)
+        init.normal(self.w3, init.std)
+        init.normal(self.w2, init.residual_std)
 
     def per_expert_parameters(self) -> int:
         return sum(w.shape[1] * w.shape[2] for w in (self.w1, self.w3, self.w2))  # global shapes under EP
@@ -89,19 +98,18 @@ class MoELayer(nn.Module):
         # layer's expert-parallel group, and the data-parallel group its router's load is summed over.
         self.expert_parallel: Any = None
         self.load_group: Any = None
-        self.init_weights(0.02, 0.02)
+        if self.shared is not None:  # the standalone default of an expert (a model's build sets it again)
+            for linear in (self.shared.w1, self.shared.w3, self.shared.w2):
+                nn.init.normal_(linear.weight, mean=0.0, std=0.02)
 
-    def init_weights(self, std: float, residual_std: float) -> None:
-        init = getattr(self.router, "init_weights", None)
-        if callable(init):
-            init(std)
-        else:
-            for module in self.router.modules():
-                if isinstance(module, nn.Linear):
-                    nn.init.normal_(module.weight, mean=0.0, std=std)
-        self.experts.init_weights(std, residual_std)
+    def init_weights(self, init: Initializer) -> None:
+        """The router by its own ``init_weights(init)`` (else every linear weight ``normal(0,
+        init.std)``), the experts and the shared experts as SwiGLU layers (down projections
+        ``init.residual_std``)."""
+        init.module(self.router)
+        self.experts.init_weights(init)
         if self.shared is not None:
-            self.shared.init_weights(std, residual_std)
+            self.shared.init_weights(init)
 
     def active_parameter_count(self) -> int:
         """Per token: the whole router (it scores every expert), ``top_k`` experts, the shared experts."""

@@ -10,8 +10,10 @@ The router call contract, defined by this plugin (the core leaves it to the MoE 
   differentiable with respect to the router's parameters) and ``aux_losses``
   (``{short name: scalar}``, each loss already multiplied by its weight, exactly once; the MoE
   layer reports them through :func:`forge_lm.losses.aux.report_aux_loss` without scaling).
-- Optional methods: ``init_weights(std)`` (called by the layer's ``init_weights``; otherwise
-  every ``nn.Linear`` in the router is drawn from ``normal(0, std)``) and
+- Optional methods: ``init_weights(init)`` (``init`` a :class:`forge_lm.components.Initializer`;
+  called by the layer's ``init_weights``; it must set every parameter and buffer of the router,
+  e.g. ``init.normal(self.weight, init.std)``, ``init.zeros(self.bias_buffer)``; without it every
+  ``nn.Linear`` in the router is drawn from ``normal(0, init.std)``, biases 0) and
   ``after_optimizer_step()`` (called by forge-moe's ``forge_lm_step_end`` hook after every
   optimizer step, for no-gradient updates such as the sigmoid router's balancing bias) and
   ``step_skipped()`` (called by forge-moe's ``forge_lm_step_skipped`` hook when a step with a
@@ -24,11 +26,14 @@ are sensitive to rounding, and the router is a tiny part of the layer's cost.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from forge_lm.components import Initializer
 
 
 class Routing(NamedTuple):
@@ -104,10 +109,10 @@ class SoftmaxTopKRouter(nn.Module):
         self.n_experts, self.top_k = n_experts, top_k
         self.balance_loss_weight, self.z_loss_weight, self.renormalize = balance_loss_weight, z_loss_weight, renormalize
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
-        self.init_weights(0.02)
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)  # standalone default; a model's build calls init_weights
 
-    def init_weights(self, std: float) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=std)
+    def init_weights(self, init: Initializer) -> None:
+        init.normal(self.weight, init.std)
 
     def forward(self, x: torch.Tensor) -> Routing:
         logits = _fp32_logits(x.reshape(-1, x.shape[-1]), self.weight)  # [T, E]
@@ -151,12 +156,12 @@ class SigmoidTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
         self.register_buffer("pending_load", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
-        self.init_weights(0.02)
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)  # standalone default; a model's build calls init_weights
 
-    def init_weights(self, std: float) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=std)
-        self.expert_bias.zero_()
-        self.pending_load.zero_()
+    def init_weights(self, init: Initializer) -> None:
+        init.normal(self.weight, init.std)
+        init.zeros(self.expert_bias)  # buffers too: after a meta build they hold whatever to_empty left
+        init.zeros(self.pending_load)
 
     def forward(self, x: torch.Tensor) -> Routing:
         batch_shape = x.shape[:-1]
