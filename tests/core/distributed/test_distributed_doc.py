@@ -20,4 +20,7 @@ def test_the_section_table_lists_every_key_with_its_default():
     assert sorted(rows) == sorted(fields)
     for key, default in fields.items():
         written = rows[key]
-        assert (float(written) == default) if isinstance(default, int | float) else (written == default), key
+        if isinstance(default, bool):
+            assert written == str(default).lower(), key
+        else:
+            assert (float(written) == default) if isinstance(default, int | float) else (written == default), key
