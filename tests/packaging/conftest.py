@@ -31,6 +31,7 @@ PACKAGES = {  # distribution name -> its directory; the order of PACKAGES in the
     "forge-wandb": REPO / "plugins" / "forge-wandb",
     "forge-prometheus": REPO / "plugins" / "forge-prometheus",
     "forge-lm-eval": REPO / "plugins" / "forge-lm-eval",
+    "forge-float8": REPO / "plugins" / "forge-float8",
 }
 CORE = "forge-lm"
 

@@ -172,6 +172,13 @@ CASES = [
         ("unknown evaluator 'lm_eval'.", "pip install forge-lm-eval"),
         cwd=LM_EVAL_TASKS,  # the tasks' data files are named relative to it
     ),
+    PluginCase(
+        "forge-float8",
+        "float8",
+        {"model_transforms": {"float8"}},
+        (str(REPO / "configs" / "float8_debug.toml"), *SYNTHETIC),
+        ("[transforms.float8]: unknown model transform 'float8'.", "pip install forge-float8"),
+    ),
 ]
 
 

@@ -80,6 +80,7 @@ def test_healthy_cpu_environment_passes_every_check_with_exit_0(doctor):
         "core plugins": "ok",
         "plugin moe": "ok",  # installed but disabled by the switch: deliberate, so fine
         "plugin muon": "ok",
+        "plugin float8": "ok",
         "plugin lm_eval": "ok",
         "plugin prometheus": "ok",
         "plugin wandb": "ok",

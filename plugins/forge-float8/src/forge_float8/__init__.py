@@ -1,0 +1,1 @@
+"""forge-float8: float8 training of a Forge model's linear layers, with torchao."""

@@ -1,0 +1,89 @@
+"""Forge plugin module of forge-float8 (entry point ``float8`` in the group ``forge_lm``).
+
+Registers the ``float8`` model transform (options in ``[transforms.float8]``) and checks its
+settings against the rest of the run config. Kept free of heavy imports: Forge imports this
+module to list plugins and validate configs, and torchao (which imports torch and loads
+kernels) is imported only when a run applies the transform (:mod:`forge_float8.convert`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from forge_lm import hookimpl
+from forge_lm.errors import ConfigError
+from forge_lm.validators import FieldError, one_of
+
+FORGE_LM_PLUGIN_API = ">=1,<2"
+
+NAME = "float8"
+# torchao's recipe names (torchao.float8.Float8LinearRecipeName), passed through unchanged.
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+def _patterns(instance: Any, attribute: Any, value: list[str]) -> None:
+    for pattern in value:
+        if not pattern.strip():
+            raise FieldError(attribute.name, "patterns must not be empty")
+
+
+@attrs.define
+class Float8Options:
+    """The keys of ``[transforms.float8]``; the plugin's README explains each."""
+
+    enabled: bool = False
+    recipe: str = attrs.field(default="tensorwise", validator=one_of(*RECIPES))
+    # fnmatch patterns of module names (as model.named_modules() gives them). Empty include:
+    # every Linear layer is a candidate. The output head and layers whose sizes float8
+    # matmuls cannot take are skipped whatever these say.
+    include: list[str] = attrs.field(factory=list, validator=_patterns)
+    exclude: list[str] = attrs.field(factory=list, validator=_patterns)
+    # FSDP2 gathers the weights already cast to float8 (half the bytes of bf16); tensorwise only.
+    fsdp_float8_all_gather: bool = False
+
+
+@hookimpl
+def forge_lm_register_model_transforms(register):
+    register(
+        NAME,
+        "forge_float8.convert:float8_transform",
+        config=Float8Options,
+        description="float8 matmuls in Linear layers with torchao ([transforms.float8] enabled = true)",
+    )
+
+
+def float8_options(config: Any) -> Float8Options | None:
+    """This plugin's options in ``config`` when it has a ``[transforms.float8]`` table, else None.
+
+    Found by type, not by key: the table may be spelled ``[transforms."forge-float8:float8"]``.
+    """
+    for chosen in config.transforms.values():
+        if isinstance(chosen.options, Float8Options):
+            return chosen.options
+    return None
+
+
+@hookimpl
+def forge_lm_configure(config):
+    options = float8_options(config)
+    if options is None:
+        return
+    # Checked even while disabled: switching `enabled` on later must not reveal an old mistake.
+    if options.fsdp_float8_all_gather and options.recipe != "tensorwise":
+        raise ConfigError(
+            f'[transforms.float8] fsdp_float8_all_gather = true needs recipe = "tensorwise", got '
+            f'"{options.recipe}": torchao gathers float8 weights with one scale per tensor only. Set recipe = '
+            '"tensorwise", or fsdp_float8_all_gather = false (FSDP2 then gathers the weights in their '
+            "training precision and casts them to float8 after the gather)."
+        )
+    if not options.enabled:
+        return
+    if config.distributed.tp > 1:
+        raise ConfigError(
+            f"[transforms.float8] enabled = true with [distributed] tp = {config.distributed.tp}: forge-float8 "
+            "does not support tensor parallelism yet (its float8 layers replace the Linear layers, dropping the "
+            "input and output layouts tensor parallelism gave them). Set tp = 1 (FSDP2 and pipeline parallelism "
+            "work with float8), or enabled = false."
+        )
