@@ -14,6 +14,7 @@ from forge_float8.plugin import Float8Options
 from forge_lm.config import load_config
 from forge_lm.distributed import ParallelDims, TransformContext, apply_model_transforms
 from forge_lm.model import build_model
+from forge_lm.testing.markdown import code_block, code_blocks
 
 from .conftest import DEBUG_CONFIG, ODD, README, REFUSED_ROWWISE_ALL_GATHER, REFUSED_TP, REPO, TOLERANCE
 
@@ -21,24 +22,11 @@ TEXT = README.read_text(encoding="utf-8")
 
 
 def blocks() -> list[tuple[str, str]]:
-    """Every fenced code block of the README: ``(language, text)``."""
-    found, language, lines = [], None, []
-    for line in TEXT.splitlines(keepends=True):
-        if not line.startswith("```"):
-            lines.append(line)
-        elif language is None:
-            language, lines = line[3:].strip(), []
-        else:
-            found.append((language, "".join(lines)))
-            language = None
-    assert language is None, "a code block is not closed"
-    return found
+    return code_blocks(TEXT)
 
 
 def block(language: str, containing: str) -> str:
-    """The one code block of ``language`` ('' for none) holding ``containing``."""
-    (found,) = [text for lang, text in blocks() if lang == language and containing in text]
-    return found
+    return code_block(TEXT, language, containing)
 
 
 def test_the_toml_snippet_loads_and_spells_out_the_defaults_but_enabled(float8_manager, tmp_path):

@@ -14,6 +14,7 @@ from forge_lm.cli import _main
 from forge_lm.cli._main import build_parser, main
 from forge_lm.config import load_config
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing.markdown import code_block, code_blocks
 from forge_lm_eval.plugin import LmEvalOptions
 
 from .conftest import CHOICE, TASKS
@@ -23,24 +24,11 @@ TEXT = README.read_text(encoding="utf-8")
 
 
 def blocks() -> list[tuple[str, str]]:
-    """Every fenced code block of the README: ``(language, text)``."""
-    found, language, lines = [], None, []
-    for line in TEXT.splitlines(keepends=True):
-        if not line.startswith("```"):
-            lines.append(line)
-        elif language is None:
-            language, lines = line[3:].strip(), []
-        else:
-            found.append((language, "".join(lines)))
-            language = None
-    assert language is None, "a code block is not closed"
-    return found
+    return code_blocks(TEXT)
 
 
 def block(language: str, containing: str) -> str:
-    """The one code block of ``language`` ('' for none) holding ``containing``."""
-    (found,) = [text for lang, text in blocks() if lang == language and containing in text]
-    return found
+    return code_block(TEXT, language, containing)
 
 
 def section(title: str) -> str:

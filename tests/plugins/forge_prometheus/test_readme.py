@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from forge_lm.config import load_config
 from forge_lm.errors import PluginError
+from forge_lm.testing.markdown import code_block, code_blocks
 from forge_prometheus.backend import metric_name
 from forge_prometheus.plugin import PrometheusOptions
 
@@ -21,24 +22,11 @@ TEXT = README.read_text(encoding="utf-8")
 
 
 def blocks() -> list[tuple[str, str]]:
-    """Every fenced code block of the README: ``(language, text)``."""
-    found, language, lines = [], None, []
-    for line in TEXT.splitlines(keepends=True):
-        if not line.startswith("```"):
-            lines.append(line)
-        elif language is None:
-            language, lines = line[3:].strip(), []
-        else:
-            found.append((language, "".join(lines)))
-            language = None
-    assert language is None, "a code block is not closed"
-    return found
+    return code_blocks(TEXT)
 
 
 def block(language: str, containing: str) -> str:
-    """The one code block of ``language`` ('' for none) holding ``containing``."""
-    (found,) = [text for lang, text in blocks() if lang == language and containing in text]
-    return found
+    return code_block(TEXT, language, containing)
 
 
 def readme_scrape() -> str:
