@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from forge_lm.cli._main import main
 from forge_lm.config import load_config
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 from forge_lm.tokenizers.byte_level import ByteTokenizer
 from forge_lm.tokenizers.hf import build_hf_tokenizer
 from forge_lm.tokenizers.hf_export import save_hf_tokenizer
@@ -36,11 +37,7 @@ TEXTS = [
     "",
 ]
 TINY = (
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--model.init_std=0.1",
     "--train.batch_size=2",
     "--train.seq_len=32",

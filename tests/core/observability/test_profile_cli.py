@@ -20,6 +20,7 @@ import torch
 from forge_lm.cli._main import main
 from forge_lm.cli._profile import load_profile
 from forge_lm.config import ProfilingSection
+from forge_lm.testing import TINY_MODEL
 from forge_lm.train.profiling import StepProfiler
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -240,11 +241,7 @@ def test_without_matplotlib_the_error_names_the_extra(run_dir, monkeypatch, caps
 # -- end to end: forge train with [profiling], then forge profile ------------------------------
 
 TINY = (
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--train.batch_size=4",
     "--train.seq_len=16",
     "--train.max_steps=5",

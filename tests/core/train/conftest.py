@@ -9,13 +9,10 @@ import pytest
 
 from forge_lm.config import ForgeConfig, load_config
 from forge_lm.plugins import PluginManager
+from forge_lm.testing import TINY_MODEL
 
 TINY = (
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--train.batch_size=4",
     "--train.seq_len=16",
     "--train.max_steps=6",

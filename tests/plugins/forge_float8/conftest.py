@@ -10,6 +10,7 @@ import pytest
 
 from forge_lm.config import ForgeConfig, load_config
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 
 REPO = Path(__file__).resolve().parents[3]
 DEBUG_CONFIG = REPO / "configs" / "float8_debug.toml"
@@ -19,11 +20,7 @@ README = REPO / "plugins" / "forge-float8" / "README.md"
 # for the feed-forward layer), so that float8 converts every Linear layer but the head. A constant
 # learning rate: a run stopped early and resumed follows the schedule of one that never stopped.
 TINY = (
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--train.batch_size=4",
     "--train.seq_len=16",
     "--train.max_steps=4",

@@ -19,6 +19,7 @@ import pytest
 from forge_lm.cli._main import main
 from forge_lm.config import load_config
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 from forge_lm.train import train
 
 TASKS = Path(__file__).resolve().parent / "tasks"
@@ -29,11 +30,7 @@ ALL_TASKS = [CHOICE, COMPLETE, ROLLING]
 # windows are exercised. init_std 0.3 makes an untrained model's greedy output vary with its
 # context (a small init makes every prompt continue with the same byte).
 TINY = (
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--model.init_std=0.3",
     "--train.batch_size=4",
     "--train.seq_len=16",

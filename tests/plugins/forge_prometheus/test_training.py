@@ -19,17 +19,14 @@ from forge_lm.cli._main import main
 from forge_lm.config import load_config
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 from forge_lm.testing.distributed import torchrun
 from forge_lm.train import train
 from forge_prometheus.backend import metric_name
 
 README = Path(__file__).resolve().parents[3] / "plugins" / "forge-prometheus" / "README.md"
 TINY = (
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--train.batch_size=4",
     "--train.seq_len=16",
     "--train.max_steps=6",

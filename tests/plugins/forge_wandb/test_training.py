@@ -22,16 +22,13 @@ from forge_lm.components import MetricsContext
 from forge_lm.config import load_config, structure_options, to_data
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginHookFailed, PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 from forge_lm.train import train
 from forge_wandb import offline
 from forge_wandb.backend import WandbBackendWarning
 
 TINY = (
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--train.batch_size=4",
     "--train.seq_len=16",
     "--train.max_steps=6",

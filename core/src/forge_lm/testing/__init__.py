@@ -39,5 +39,13 @@ the features that use them.
 
 from forge_lm.testing._kit import Check, check_component, component_checks, parametrize_with_checks
 from forge_lm.testing._packaging import distribution_checks
+from forge_lm.testing._tiny import TINY_MODEL
 
-__all__ = ["Check", "check_component", "component_checks", "distribution_checks", "parametrize_with_checks"]
+__all__ = [
+    "TINY_MODEL",
+    "Check",
+    "check_component",
+    "component_checks",
+    "distribution_checks",
+    "parametrize_with_checks",
+]
