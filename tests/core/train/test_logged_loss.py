@@ -41,6 +41,7 @@ def test_logged_loss_is_the_cross_entropy_and_the_gradient_includes_the_z_loss(t
         pp_group=None,
         mesh=None,
         dims=ParallelDims(),
+        context_parallel=None,
     )
     loss, _, reports = _train_step(parts, batches, config)
     loss, aux = loss.item(), reports.logged()

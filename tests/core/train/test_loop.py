@@ -190,6 +190,7 @@ def test_auxiliary_losses_reach_the_gradient_once_and_are_logged(tiny_config, ma
         pp_group=None,
         mesh=None,
         dims=ParallelDims(),
+        context_parallel=None,
     )
     loss, _, reports = _train_step(parts, batches, config)
     loss, aux = loss.item(), reports.logged()

@@ -191,7 +191,8 @@ class DistributedSection:
     """How the ranks of a ``torchrun`` launch split the work: their product is the world size.
 
     Mesh dimensions, outermost first: pipeline (``pp``), replicated data parallel
-    (``dp_replicate``), sharded data parallel (``dp_shard``), tensor parallel (``tp``). The
+    (``dp_replicate``), sharded data parallel (``dp_shard``), context parallel (``cp``: ranks
+    that split each sequence and read the same batch), tensor parallel (``tp``). The
     expert-parallel degree ``ep`` divides ``dp_shard``: expert-parallel ranks are
     data-parallel ranks that also split the experts, so each reads its own data.
     """
@@ -206,6 +207,14 @@ class DistributedSection:
         default=1, validator=positive, metadata=_doc("Tensor-parallel degree (with sequence parallel).")
     )
     pp: int = attrs.field(default=1, validator=positive, metadata=_doc("Pipeline stages."))
+    cp: int = attrs.field(
+        default=1,
+        validator=positive,
+        metadata=_doc(
+            "Context-parallel degree: each sequence is split over this many ranks (zigzag chunks for causal "
+            "balance), which read the same batch; FSDP2 shards over dp_shard x cp."
+        ),
+    )
     ep: int = attrs.field(
         default=1,
         validator=positive,

@@ -9,9 +9,15 @@ bf16 and gradients reduced in fp32, while the sharded master weights stay fp32.
 A submodule may set ``fsdp_mesh_dims`` (a tuple of mesh dimension names) to be sharded as its
 own unit over those dimensions, before its block: the MoE plugin shards expert weights, which
 expert parallelism already split over ``ep``, over the remaining data-parallel ranks this way.
-Gradients of every unit are divided by the number of data-parallel ranks (``dp_size``): each
-rank's loss is the mean over its own tokens, and the step's loss is the mean over ranks (FSDP2's
-default for units over the whole data-parallel mesh; set explicitly for the others).
+Gradients of every unit are divided by the number of data-parallel ranks (``dp_size``, times
+``cp`` under context parallelism): each rank's loss is the mean over its own tokens, and the
+step's loss is the mean over ranks (FSDP2's default for units over the whole data-parallel mesh;
+set explicitly for the others).
+
+Under context parallelism (``cp > 1``) the units span ``dp_shard_cp`` (``dp_shard x cp``): a cp
+rank's gradient holds its own queries' share and, through the key/value gather's backward, what
+the other ranks' queries sent back to its keys and values, so the sum over the group is the
+gradient of the sum of their losses, and FSDP2's average is that of their mean.
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ from forge_lm.distributed.transforms import ModelTransform, TransformContext, tr
 
 
 def _enabled(context: TransformContext) -> bool:
-    return context.dims.dp_size > 1
+    return context.dims.shard_size > 1  # the data-parallel ranks, and under cp the ranks splitting sequences
 
 
 def _apply(model: nn.Module, context: TransformContext) -> None:
     dims = context.dims
     names = ("dp_replicate", "dp_shard") if dims.dp_replicate > 1 else ("dp_shard",)
+    if dims.cp > 1:  # parameters are sharded over the sequence-splitting ranks too (dp_replicate = 1 then)
+        names = ("dp_shard_cp",)
     mesh = context.submesh(*names)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if context.dtype else None
     common = {"mp_policy": policy} if policy is not None else {}
@@ -41,7 +49,7 @@ def _apply(model: nn.Module, context: TransformContext) -> None:
         if unit_dims:
             unit_mesh = context.submesh(*unit_dims)
             fully_shard(module, mesh=unit_mesh, reshard_after_forward=reshard, **common)
-            module.set_gradient_divide_factor(float(dims.dp_size))
+            module.set_gradient_divide_factor(float(dims.shard_size))
             if dist.get_backend(unit_mesh.get_group(unit_mesh.ndim - 1)) == "gloo" and unit_mesh.size(-1) > 1:
                 # A divide factor other than the group size makes FSDP2 reduce with PREMUL_SUM,
                 # which gloo lacks: sum, then divide. (Not on a 1-rank group, where torch 2.13

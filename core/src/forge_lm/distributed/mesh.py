@@ -10,6 +10,11 @@ ranks that also split the experts, so every one of them reads its own slice of t
 (the reference gave them the same batch, which made expert gradients ``ep`` times too large).
 ``dp`` flattens ``dp_replicate x dp_shard``: the ranks that read different data. Ranks that
 differ only in their ``tp`` or ``pp`` coordinate read the same data.
+
+With context parallelism (``cp > 1``) the mesh is ``pp x dp_replicate x dp_shard x cp x tp``:
+the ``cp`` ranks of a group split each sequence between them and read the same batch, so
+``dp`` leaves ``cp`` out, while FSDP2 shards parameters over ``dp_shard_cp`` (``dp_shard x cp``
+flattened), as torchtitan does. ``cp = 1`` builds the mesh above unchanged.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from forge_lm.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
 MESH_DIMS_NO_EP = ("pp", "dp_replicate", "dp_shard", "tp")  # ep = 1: dp_shard needs no split
+MESH_DIMS_CP = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 class ForgeMesh:
@@ -41,7 +47,8 @@ class ForgeMesh:
 
 @attrs.frozen
 class ParallelDims:
-    """Resolved degrees whose product is ``world_size`` (``dp_shard`` includes ``ep``)."""
+    """Resolved degrees whose product is ``world_size`` (``dp_shard`` includes ``ep``; ``cp`` is
+    last so that positional construction by older callers keeps its meaning)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -49,10 +56,17 @@ class ParallelDims:
     pp: int = 1
     ep: int = 1
     pp_schedule: str = "1f1b"
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks FSDP2 spreads each parameter over (with its replicas): the data-parallel ranks
+        and, under context parallelism, the ranks that split their sequences."""
+        return self.dp_size * self.cp
 
     @property
     def dp_size(self) -> int:
@@ -68,22 +82,27 @@ class ParallelDims:
         """The degrees ``config.distributed`` asks for on ``world_size`` ranks, or a ConfigError
         naming the rule broken and what to change."""
         section: DistributedSection = config.distributed
-        fixed = section.dp_replicate * section.tp * section.pp
+        fixed = section.dp_replicate * section.tp * section.pp * section.cp
         dp_shard = section.dp_shard
+        cp_text = f" * cp = {section.cp}" if section.cp > 1 else ""
         if dp_shard == -1:
             if world_size % fixed:
                 raise ConfigError(
-                    f"[distributed] dp_replicate * tp * pp = {section.dp_replicate} * {section.tp} * {section.pp} "
-                    f"= {fixed} does not divide the world size {world_size}; change the degrees or the number "
-                    "of processes (torchrun --nproc_per_node)."
+                    f"[distributed] dp_replicate * tp * pp = {section.dp_replicate} * {section.tp} * {section.pp}"
+                    f"{cp_text} = {fixed} does not divide the world size {world_size}; change the degrees or the "
+                    "number of processes (torchrun --nproc_per_node)."
                 )
             dp_shard = world_size // fixed
-        dims = cls(section.dp_replicate, dp_shard, section.tp, section.pp, section.ep, section.pp_schedule)
+        dims = cls(
+            section.dp_replicate, dp_shard, section.tp, section.pp, section.ep, section.pp_schedule, cp=section.cp
+        )
         if dims.world_size != world_size:
+            cp_factor = f" * {section.cp}" if section.cp > 1 else ""
             raise ConfigError(
-                f"[distributed] pp * dp_replicate * dp_shard * tp = {section.pp} * {section.dp_replicate} * "
-                f"{dp_shard} * {section.tp} = {dims.world_size}, but {world_size} processes were launched; "
-                "the degrees must multiply to the world size (set dp_shard = -1 to fill the rest)."
+                f"[distributed] pp * dp_replicate * dp_shard * {'cp * ' if section.cp > 1 else ''}tp = {section.pp} "
+                f"* {section.dp_replicate} * {dp_shard}{cp_factor} * {section.tp} = {dims.world_size}, but "
+                f"{world_size} processes were launched; the degrees must multiply to the world size (set "
+                "dp_shard = -1 to fill the rest)."
             )
         dims.check(config)
         return dims
@@ -124,6 +143,8 @@ class ParallelDims:
                     f"the 1f1b schedule needs at least pp = {self.pp} microbatches; raise [train] "
                     f"grad_accum_steps (now {train.grad_accum_steps}) or use pp_schedule = 'gpipe'"
                 )
+        if self.cp > 1:
+            problems.extend(_context_parallel_problems(self, config))
         if problems:
             raise ConfigError("[distributed] " + "; ".join(problems) + ".")
 
@@ -131,7 +152,15 @@ class ParallelDims:
         """The world's device mesh (None for one process)."""
         if not self.distributed:
             return None
-        if self.ep == 1:
+        if self.cp > 1:  # check() allows cp only with dp_replicate = tp = pp = ep = 1
+            shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+            root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS_CP)
+            shard_cp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
+            # dp: the ranks that read different data (cp ranks share theirs); dp_cp: every rank
+            # holding a distinct share of the tokens, which losses are averaged over.
+            flattened = {"dp": root["dp_replicate", "dp_shard"]._flatten("dp"), "dp_shard_cp": shard_cp}
+            flattened["dp_cp"] = shard_cp
+        elif self.ep == 1:
             root = init_device_mesh(
                 device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS_NO_EP
             )
@@ -146,7 +175,8 @@ class ParallelDims:
         return ForgeMesh(root, flattened)
 
     def describe(self) -> str:
-        parts = [f"{name}={getattr(self, name)}" for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep")]
+        names = ("dp_replicate", "dp_shard", "tp", "pp", "ep") + (("cp",) if self.cp > 1 else ())
+        parts = [f"{name}={getattr(self, name)}" for name in names]
         return f"{self.world_size} ranks: " + " ".join(parts)
 
 
@@ -156,3 +186,24 @@ def dp_coordinates(mesh: ForgeMesh | None) -> tuple[int, int]:
         return 0, 1
     dp = mesh["dp"]
     return dp.get_local_rank(), dp.size()
+
+
+def _context_parallel_problems(dims: ParallelDims, config: ForgeConfig) -> list[str]:
+    """What context parallelism (``cp > 1``) needs, and the combinations not supported yet."""
+    train, problems = config.train, []
+    if train.seq_len % (2 * dims.cp):
+        problems.append(
+            f"cp = {dims.cp} needs [train] seq_len (now {train.seq_len}) divisible by 2 * cp = {2 * dims.cp}: "
+            "each sequence is cut into 2 * cp equal chunks, two per context-parallel rank"
+        )
+    refused = [
+        (dims.tp > 1, f"tp = {dims.tp}", "set tp = 1"),
+        (dims.pp > 1, f"pp = {dims.pp}", "set pp = 1"),
+        (dims.ep > 1, f"ep = {dims.ep}", "set ep = 1"),
+        (dims.dp_replicate > 1, f"dp_replicate = {dims.dp_replicate}", "shard instead (dp_shard)"),
+        (train.compile, "[train] compile = true", "set compile = false"),
+    ]
+    for active, what, fix in refused:
+        if active:
+            problems.append(f"context parallelism (cp = {dims.cp}) is not supported with {what} yet; {fix} or cp = 1")
+    return problems

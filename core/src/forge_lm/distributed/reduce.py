@@ -54,16 +54,17 @@ def agree_on_step(
     ``loss``: this rank's data loss (0 on pipeline stages without the head), ``grad_norm`` the
     global norm, both 0-d tensors on the training device; ``stop``: a preemption signal noted
     here. The three are summed over all ranks in one all-reduce on the device: the ranks of a
-    tensor-parallel group hold the same loss, pipeline stages but the last hold 0, so the sum
-    divided by the data-parallel and tensor-parallel degrees is the mean over the data. The
-    mean stays a tensor; the two flags are read, the step's one wait for the device."""
+    tensor-parallel group hold the same loss, pipeline stages but the last hold 0, the ranks of
+    a context-parallel group each the mean over an equal slice of the same sequences, so the sum
+    divided by the data-parallel, context-parallel and tensor-parallel degrees is the mean over
+    the data. The mean stays a tensor; the two flags are read, the step's one wait for the device."""
     finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
     stop_flag = torch.tensor(1.0 if stop else 0.0, dtype=torch.float64, device=loss.device)
     packed = torch.stack([loss.detach().double(), (~finite).double(), stop_flag])
     if distributed():
         dist.all_reduce(packed)
     bad_ranks, stopping_ranks = packed[1:].tolist()
-    return packed[0] / (dims.dp_size * dims.tp), bad_ranks == 0, stopping_ranks > 0
+    return packed[0] / (dims.dp_size * dims.cp * dims.tp), bad_ranks == 0, stopping_ranks > 0
 
 
 def mean_over_data_parallel(value: Any, mesh: Any, dims: ParallelDims) -> Any:
@@ -71,7 +72,9 @@ def mean_over_data_parallel(value: Any, mesh: Any, dims: ParallelDims) -> Any:
     read different data; the same kind comes back (a tensor in float64).
 
     Under pipeline parallelism only the last stage computes the loss: the other stages pass 0,
-    and the sum over the pipeline hands every stage the last stage's value first.
+    and the sum over the pipeline hands every stage the last stage's value first. Under context
+    parallelism each rank of a group holds the value of its equal slice of the same sequences:
+    the mean runs over those ranks too.
     """
     is_tensor = isinstance(value, torch.Tensor)
     if mesh is None:
@@ -79,6 +82,7 @@ def mean_over_data_parallel(value: Any, mesh: Any, dims: ParallelDims) -> Any:
     total = value.detach().double().reshape(1) if is_tensor else torch.tensor([value], dtype=torch.float64)
     if dims.pp > 1:
         dist.all_reduce(total, group=mesh["pp"].get_group())
-    if dims.dp_size > 1:
-        dist.all_reduce(total, group=mesh["dp"].get_group())
-    return total[0] / dims.dp_size if is_tensor else total.item() / dims.dp_size
+    ranks, over = (dims.dp_size * dims.cp, "dp_cp") if dims.cp > 1 else (dims.dp_size, "dp")
+    if ranks > 1:
+        dist.all_reduce(total, group=mesh[over].get_group())
+    return total[0] / ranks if is_tensor else total.item() / ranks

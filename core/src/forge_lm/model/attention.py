@@ -14,6 +14,7 @@ from forge_lm.model.rope import apply_rope
 
 if TYPE_CHECKING:
     from forge_lm.components import Initializer
+    from forge_lm.distributed.context_parallel import ContextParallel
 
 
 class Attention(nn.Module):
@@ -21,7 +22,14 @@ class Attention(nn.Module):
 
     With ``n_kv_heads < n_heads`` (grouped-query attention) each key/value head serves
     ``n_heads / n_kv_heads`` consecutive query heads, the layout of HF Llama. No biases.
+
+    Under context parallelism (``context_parallel`` set, see
+    :mod:`forge_lm.distributed.context_parallel`) ``x`` is this rank's slice of the sequence: the
+    keys and values of the whole group are gathered before attending, and ``mask`` is over the
+    gathered keys.
     """
+
+    context_parallel: ContextParallel | None = None
 
     def __init__(
         self, dim: int, n_heads: int, n_kv_heads: int, layer_index: int, qk_norm: bool = False, norm_eps: float = 1e-5
@@ -61,6 +69,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_index, k, v)  # [B, KV, S, Dh], S = cached + T
+        if self.context_parallel is not None:  # after RoPE (global positions), before repeat_kv (fewer heads)
+            k, v = self.context_parallel.gather(k, dim=2), self.context_parallel.gather(v, dim=2)  # [B, KV, T*cp, Dh]
         # The group size n_heads / n_kv_heads is the same on local heads (tp divides both).
         k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # [B, H, T, Dh]
@@ -116,3 +126,21 @@ def attention_mask(
     query_pos = torch.arange(start, start + length, device=device)[:, None]
     key_pos = torch.arange(start + length, device=device)[None, :]
     return key_pos <= query_pos, False
+
+
+def positional_mask(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    query_documents: torch.Tensor | None,
+    key_documents: torch.Tensor | None,
+) -> torch.Tensor:
+    """A boolean SDPA mask (True = may attend) from global positions: query ``i`` sees key ``j``
+    iff ``key_positions[j] <= query_positions[i]`` and, with documents ``[B, Tq]``/``[B, Tk]``,
+    both belong to the same one. ``[Tq, Tk]``, or ``[B, 1, Tq, Tk]`` with documents. Each query
+    sees at least its own key, so no row is empty. For tokens held in any order, such as a
+    context-parallel rank's slice and the keys gathered from its group."""
+    causal = key_positions[None, :] <= query_positions[:, None]  # [Tq, Tk]
+    if query_documents is None or key_documents is None:
+        return causal
+    same_document = query_documents[:, :, None] == key_documents[:, None, :]  # [B, Tq, Tk]
+    return (same_document & causal)[:, None]

@@ -253,9 +253,9 @@ def _estimate(
     autocast: torch.dtype | None,
 ) -> MemoryEstimate:
     model, train = config.model, config.train
-    shards = dims.dp_shard * dims.tp * dims.pp
+    shards = dims.dp_shard * dims.cp * dims.tp * dims.pp  # FSDP2 shards over dp_shard x cp
     sharded = count.parameter_bytes / shards
-    tokens = train.batch_size * train.seq_len  # one micro-batch
+    tokens = train.batch_size * train.seq_len // dims.cp  # one micro-batch; a cp rank holds 1 / cp of it
     per_block = activation_bytes_per_token(model, autocast) / dims.tp
     blocks = math.ceil(model.n_layers / dims.pp)
     if train.activation_checkpointing == "full":  # block inputs (fp32 residual stream), one block recomputed

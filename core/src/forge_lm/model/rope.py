@@ -48,6 +48,13 @@ class RotaryEmbedding(nn.Module):
             self.reset_tables()
         return self.cos[start : start + length], self.sin[start : start + length]
 
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` for the positions listed in ``positions`` ``[T]`` (any order, such as a
+        context-parallel rank's slice of a sequence), each ``[T, head_dim]``."""
+        if self.cos.dtype != torch.float32:
+            self.reset_tables()
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(cos, sin)``, each ``[max_seq_len, head_dim]``, both halves repeating the same angles.

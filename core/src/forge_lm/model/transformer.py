@@ -20,7 +20,7 @@ from torch import nn
 
 from forge_lm.config import ModelSection
 from forge_lm.errors import ForgeError, PluginError
-from forge_lm.model.attention import Attention, attention_mask
+from forge_lm.model.attention import Attention, attention_mask, positional_mask
 from forge_lm.model.init import initialize
 from forge_lm.model.kv_cache import KVCache
 from forge_lm.model.norms import build_norm
@@ -28,6 +28,7 @@ from forge_lm.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
     from forge_lm.components import Initializer
+    from forge_lm.distributed.context_parallel import ContextParallel
 
 
 class Block(nn.Module):
@@ -72,6 +73,10 @@ class Transformer(nn.Module):
     Weights are created in fp32; mixed precision is the caller's ``torch.autocast``, under which
     the logits come out in the autocast dtype (losses upcast them).
     """
+
+    # Set by forge_lm.distributed.context_parallel.enable_context_parallel: this rank then holds
+    # a slice of each sequence and its attention layers gather the group's keys and values.
+    context_parallel: ContextParallel | None = None
 
     def __init__(self, config: ModelSection, vocab_size: int, feed_forwards: Sequence[nn.Module]) -> None:
         super().__init__()
@@ -125,8 +130,14 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, T, vocab]`` for ``input_ids`` ``[B, T]``.
+
+        ``positions`` ``[T]``: the tokens' positions in their sequences, when they are not
+        ``0 .. T-1`` (RoPE rotates by them and the causal mask compares them). Required under
+        context parallelism, where ``input_ids`` (and ``document_ids``) are this rank's slice of
+        the sequences (:meth:`ContextParallel.shard`) and keys come from the whole group.
 
         ``document_ids`` ``[B, T]`` (packed sequences): a token attends only to earlier tokens of
         its own document. ``kv_cache``: the tokens continue those already cached (positions
@@ -154,8 +165,12 @@ class Transformer(nn.Module):
                     f"document_ids {tuple(document_ids.shape)} must have the shape of input_ids "
                     f"{tuple(input_ids.shape[:2])}."
                 )
-        mask, is_causal = attention_mask(document_ids, start, seq, input_ids.device)
-        cos, sin = self.rope(start, seq)  # [T, head_dim] each
+        if positions is not None or self.context_parallel is not None:
+            mask, cos, sin = self._positional_attention(positions, document_ids, kv_cache, seq)
+            is_causal = False
+        else:
+            mask, is_causal = attention_mask(document_ids, start, seq, input_ids.device)
+            cos, sin = self.rope(start, seq)  # [T, head_dim] each
         h = self.tok_embeddings(input_ids) if embeds else input_ids  # [B, T, dim]
         layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
         for layer in layers:
@@ -165,6 +180,38 @@ class Transformer(nn.Module):
         if self.output is None:  # a pipeline stage before the last: the next stage goes on from h
             return h
         return self.output(self.norm(h))  # [B, T, vocab]
+
+    def _positional_attention(
+        self,
+        positions: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        seq: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(mask, cos, sin)`` for tokens at explicit ``positions``; under context parallelism
+        the mask's keys are the group's, in the order the attention layers gather them."""
+        cp = self.context_parallel
+        if positions is None:
+            raise ForgeError(
+                "under context parallelism the model takes this rank's slice of each sequence with its "
+                "global positions: pass positions (ContextParallel.shard(batch) gives both)."
+            )
+        if kv_cache is not None:
+            raise ForgeError("positions (and context parallelism) cannot be combined with a kv_cache.")
+        if positions.shape != (seq,):
+            raise ForgeError(
+                f"positions must have shape [{seq}] (one per token of a row); got {tuple(positions.shape)}."
+            )
+        self._check_lengths(0, seq * (cp.size if cp is not None else 1))
+        key_positions = cp.gather_ids(positions, dim=0) if cp is not None else positions
+        key_documents = None
+        if document_ids is not None:
+            key_documents = cp.gather_ids(document_ids, dim=1) if cp is not None else document_ids
+            # Decided on the whole sequences, so every rank of the group decides alike.
+            if bool((key_documents == key_documents[:, :1]).all()):
+                document_ids = key_documents = None
+        cos, sin = self.rope.at(positions)
+        return positional_mask(positions, key_positions, document_ids, key_documents), cos, sin
 
     def _check_lengths(self, start: int, seq: int) -> None:
         limit = self.config.max_seq_len

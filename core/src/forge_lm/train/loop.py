@@ -44,6 +44,7 @@ from forge_lm.distributed import (
     shutdown_distributed,
 )
 from forge_lm.distributed.consistency import check_same_plugins
+from forge_lm.distributed.context_parallel import ContextParallel, enable_context_parallel
 from forge_lm.distributed.grads import clip_grads
 from forge_lm.distributed.health import check_health
 from forge_lm.distributed.launch import on_main_process, rank_device
@@ -120,6 +121,7 @@ class _Parts:
     tokens_per_step: int
     flops_per_token: float
     peak_flops: float | None  # of the whole world (one device's times the ranks); None: unknown, no MFU
+    context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in its sequence-splitting group
 
     @property
     def pp_group(self) -> Any:
@@ -155,6 +157,10 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         config.model, vocab_size, registry, seed=config.train.seed, device="meta" if on_meta else device
     )
     flops = flops_per_token(config.model, active_parameter_count(model), config.train.seq_len)
+    context_parallel = None
+    if dims.cp > 1:  # before the transforms: FSDP2 and activation checkpointing wrap the modules it marks
+        context_parallel = ContextParallel.from_mesh(mesh)
+        enable_context_parallel(model, context_parallel)
     pipeline = None
     if dims.pp > 1:
         pipeline = PipelineRunner(model, dims, mesh, device, dtype, config.train.grad_accum_steps)
@@ -175,6 +181,11 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
             raise ConfigError(
                 "[eval] evaluators run the whole model on each rank and cannot run under pipeline parallelism "
                 f"([distributed] pp = {dims.pp}); remove them or train with pp = 1"
+            )
+        if dims.cp > 1:  # likewise: under context parallelism the model takes slices of sequences
+            raise ConfigError(
+                "[eval] evaluators run the whole model on each rank and cannot run under context parallelism "
+                f"([distributed] cp = {dims.cp}); remove them or train with cp = 1"
             )
         evaluator_context = EvaluatorContext(
             run_dir=Path(config.train.output_dir),
@@ -211,6 +222,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         flops_per_token=flops,
         # Measured (on CPU) by rank 0 alone: ranks timing matmuls at once would each see a fraction.
         peak_flops=on_main_process(lambda: world_peak_flops(device, dtype, config.metrics.peak_flops, dims.world_size)),
+        context_parallel=context_parallel,
     )
 
 
@@ -389,7 +401,11 @@ def _divides(interval: int, step: int) -> bool:
 def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> None:
     """Every eval set, then ``[eval] evaluators``, then the plugins' eval_end: one record at this step."""
     with _evaluation_mode(parts.model, parts.optimizer):
-        loss_of = parts.pipeline.eval_loss if parts.pipeline is not None else _loss_of(parts.model, parts.loss_fn)
+        loss_of = (
+            parts.pipeline.eval_loss
+            if parts.pipeline is not None
+            else _loss_of(parts.model, parts.loss_fn, parts.context_parallel)
+        )
         results = parts.evaluator.run(loss_of, lambda value: mean_over_data_parallel(value, parts.mesh, parts.dims))
         with torch.no_grad():
             for evaluator in parts.evaluators:
@@ -460,6 +476,7 @@ def _train_step(
     reported, such as its z-loss), so that it reads the same with or without regularizers.
     Each auxiliary loss and loss term is reported under its own name."""
     model, optimizer, device, dtype = parts.model, parts.optimizer, parts.device, parts.dtype
+    context_parallel = parts.context_parallel
     accum = config.train.grad_accum_steps
     optimizer.zero_grad(set_to_none=True)
     reports = AuxCollector()
@@ -473,8 +490,8 @@ def _train_step(
             sync = micro == accum - 1 or not config.distributed.defer_grad_reduction
             with _gradient_sync(model, enabled=sync), collect_aux() as reports:
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    logits = model(batch["input_ids"], batch.get("document_ids"))
-                    loss = parts.loss_fn(logits, batch["labels"])
+                    logits, labels = _forward(model, batch, context_parallel)
+                    loss = parts.loss_fn(logits, labels)
                 aux_total = reports.total()
                 full = loss if aux_total is None else loss + aux_total
                 (full / accum).backward()
@@ -484,9 +501,22 @@ def _train_step(
     return loss_sum / accum, grad_norm, reports
 
 
-def _loss_of(model: torch.nn.Module, loss_fn: Any) -> Any:
+def _forward(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], context_parallel: ContextParallel | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits, labels)`` of this rank's tokens of ``batch``: all of them, or under context
+    parallelism its slice of every sequence (the loss is then the mean over that slice; the
+    slices are equal, so the mean of the group's losses is the loss of the whole batch)."""
+    if context_parallel is None:
+        return model(batch["input_ids"], batch.get("document_ids")), batch["labels"]
+    batch = context_parallel.shard(batch)
+    return model(batch["input_ids"], batch.get("document_ids"), positions=batch["positions"]), batch["labels"]
+
+
+def _loss_of(model: torch.nn.Module, loss_fn: Any, context_parallel: ContextParallel | None = None) -> Any:
     def loss_of(batch: dict[str, torch.Tensor]) -> float:
-        return loss_fn(model(batch["input_ids"], batch.get("document_ids")), batch["labels"]).item()
+        logits, labels = _forward(model, batch, context_parallel)
+        return loss_fn(logits, labels).item()
 
     return loss_of
 

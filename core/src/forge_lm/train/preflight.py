@@ -37,8 +37,11 @@ def validation_report(config: ForgeConfig, registry: Any) -> str:
     section = config.distributed
     dp_shard = section.dp_shard
     if dp_shard == -1:
-        dp_shard = max(1, detect_launch().world_size // (section.dp_replicate * section.tp * section.pp))
-    dims = ParallelDims(section.dp_replicate, dp_shard, section.tp, section.pp, section.ep, section.pp_schedule)
+        fixed = section.dp_replicate * section.tp * section.pp * section.cp
+        dp_shard = max(1, detect_launch().world_size // fixed)
+    dims = ParallelDims(
+        section.dp_replicate, dp_shard, section.tp, section.pp, section.ep, section.pp_schedule, cp=section.cp
+    )
     # The rules tying the degrees to the model and the batch, as a launch would check them; with
     # dp_shard = -1 the launch picks a dp_shard that ep divides.
     attrs.evolve(dims, dp_shard=dp_shard * section.ep if section.dp_shard == -1 else dp_shard).check(config)
