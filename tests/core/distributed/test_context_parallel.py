@@ -163,3 +163,18 @@ def test_forge_train_under_cp_logs_the_losses_of_one_process_and_resumes_in_one(
         for key in ("loss", "grad_norm", "eval/loss"):
             if key in expected[step]:
                 assert actual[step][key] == pytest.approx(expected[step][key], rel=1e-5), (step, key)
+
+
+def test_a_one_process_checkpoint_resumes_under_cp(tmp_path: Path) -> None:
+    """The other direction: steps 1-2 in one process, 3-4 on a cp group of 2 ranks, against an
+    uninterrupted one-process run."""
+    expected_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    _train(expected_dir, 4)
+    _train(run_dir, 2)
+    resumed = _train(run_dir, 4, "--distributed.cp=2", nproc=2)
+    assert "resumed from" in resumed.stderr
+    expected, actual = _metrics(expected_dir), _metrics(run_dir)
+    for step in (3, 4):
+        for key in ("loss", "grad_norm", "eval/loss"):
+            if key in expected[step]:
+                assert actual[step][key] == pytest.approx(expected[step][key], rel=1e-5), (step, key)
