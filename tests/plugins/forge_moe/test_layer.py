@@ -3,6 +3,8 @@ shared experts, layer placement, the active-parameter count by hand, and the con
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -91,6 +93,32 @@ def test_packed_kernels_equal_the_loop_over_experts_with_their_gradients(kernel,
 def test_grouped_mm_runs_on_cpu_in_fp32_and_bf16():
     assert grouped_mm_works("cpu", torch.float32, DIM, HIDDEN)
     assert grouped_mm_works("cpu", torch.bfloat16, DIM, HIDDEN)
+
+
+def test_the_kernel_auto_picks_is_announced_once_with_why(monkeypatch, capsys, tmp_path):
+    from forge_lm import events
+
+    grouped_mm_works.cache_clear()
+    log = events.open_log(tmp_path, rank=0)
+    try:
+        assert grouped_mm_works("cpu", torch.float32, DIM, HIDDEN)
+        assert grouped_mm_works("cpu", torch.float32, DIM, HIDDEN)  # cached: not announced again
+        monkeypatch.delattr(torch, "_grouped_mm")
+        assert not grouped_mm_works("cpu", torch.float32, DIM + 8, HIDDEN)
+    finally:
+        events.close_log()
+        grouped_mm_works.cache_clear()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("forge-moe: expert kernel")]
+    assert lines == [
+        f"forge-moe: expert kernel for cpu, float32, dim {DIM}, hidden {HIDDEN}: grouped_mm (torch._grouped_mm)",
+        f"forge-moe: expert kernel for cpu, float32, dim {DIM + 8}, hidden {HIDDEN}: padded "
+        "(this torch has no torch._grouped_mm)",
+    ]
+    recorded = [json.loads(line) for line in log.path.read_text().splitlines()]
+    assert [(r["type"], r["kernel"]) for r in recorded] == [
+        ("forge-moe/expert_kernel", "grouped_mm"),
+        ("forge-moe/expert_kernel", "padded"),
+    ]
 
 
 @pytest.mark.parametrize("kernel", ["grouped_mm", "padded"])

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from forge_lm import events
 
 KERNELS = ("auto", "grouped_mm", "padded", "loop")
 
@@ -110,10 +114,27 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype, dim: int, hidden: int
     """Whether ``torch._grouped_mm`` runs forward and backward here, and agrees with ``bmm``.
 
     Probed once per (device type, dtype, sizes) with uneven groups, one of them empty, since
-    some builds limit the dtypes, devices or alignments the kernel accepts.
+    some builds limit the dtypes, devices or alignments the kernel accepts. The outcome is
+    announced once (rank 0's stderr and the run's event log): which kernel ``auto`` picked
+    decides the MoE layer's speed, and a silent fallback would hide it.
     """
+    works, why = _probe_verdict(device_type, dtype, dim, hidden)
+    _announce(device_type, dtype, dim, hidden, "grouped_mm" if works else "padded", why)
+    return works
+
+
+def _announce(device_type: str, dtype: torch.dtype, dim: int, hidden: int, kernel: str, why: str) -> None:
+    where = f"{device_type}, {str(dtype).removeprefix('torch.')}, dim {dim}, hidden {hidden}"
+    events.record(
+        "forge-moe/expert_kernel", kernel=kernel, device=device_type, dtype=str(dtype), dim=dim, hidden=hidden, why=why
+    )
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print(f"forge-moe: expert kernel for {where}: {kernel} ({why})", file=sys.stderr, flush=True)
+
+
+def _probe_verdict(device_type: str, dtype: torch.dtype, dim: int, hidden: int) -> tuple[bool, str]:
     if not hasattr(torch, "_grouped_mm"):
-        return False
+        return False, "this torch has no torch._grouped_mm"
     try:
         # The first call may come from inside a forward under activation checkpointing: identity
         # saved-tensor hooks keep the probe's own autograd graph out of the checkpoint's count.
@@ -123,9 +144,11 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype, dim: int, hidden: int
             torch.autocast(device_type, enabled=False),
             torch.autograd.graph.saved_tensors_hooks(_identity, _identity),
         ):
-            return _probe_grouped_mm(torch.device(device_type), dtype, dim, hidden)
-    except Exception:  # noqa: BLE001 - any failure means: use the padded kernel
-        return False
+            if _probe_grouped_mm(torch.device(device_type), dtype, dim, hidden):
+                return True, "torch._grouped_mm"
+            return False, "torch._grouped_mm disagreed with bmm here"
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the padded kernel
+        return False, f"torch._grouped_mm failed here: {type(exc).__name__}"
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
