@@ -86,11 +86,13 @@ def test_healthy_cpu_environment_passes_every_check_with_exit_0(doctor):
         "plugin wandb": "ok",
         "config": "ok",
         "device": "ok",
+        "peak flops": "ok",
         "run directory": "ok",
         "disk": "ok",
         "cache directory": "ok",
     }
     assert rows["gpu"][1] == "CPU only (no GPU found): training runs on the CPU"
+    assert rows["peak flops"][1].startswith("cpu fp32: ")
     assert rows["distributed"][1].startswith("backends: gloo")
     assert rows["torch"][1].startswith(f"torch {torch.__version__} ")
     assert "forge-lm requires torch" in rows["torch"][1]

@@ -1,7 +1,9 @@
-"""MFU: peak FLOP/s from the config, a table of GPUs, or a CPU measurement cached on disk."""
+"""MFU: peak FLOP/s from the config, a table of GPUs, a CPU's theoretical peak, or a CPU
+measurement cached on disk when the machine was idle."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 
@@ -10,7 +12,19 @@ import torch
 
 from forge_lm.errors import ConfigError
 from forge_lm.metrics import mfu as mfu_module
-from forge_lm.metrics.mfu import cache_path, cpu_cache_key, measure_cpu_flops, mfu, peak_flops, world_peak_flops
+from forge_lm.metrics.mfu import (
+    CpuMeasurement,
+    cache_path,
+    cpu_cache_key,
+    measure_cpu_flops,
+    mfu,
+    peak_flops,
+    peak_with_source,
+    remeasure_cpu_peak,
+    theoretical_cpu_peak,
+    world_peak_flops,
+    world_peak_with_source,
+)
 
 
 @pytest.fixture
@@ -20,16 +34,33 @@ def cache_home(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def measurements(monkeypatch):
-    """Replace the CPU measurement by a counter returning 1e11, 2e11, ... on successive calls."""
+def load(monkeypatch):
+    """The 1-minute load of the other processes, on a 2-CPU machine: idle (0.1) unless changed."""
+    current = [0.1]
+    monkeypatch.setattr(mfu_module, "machine_load", lambda: (current[0], 2))
+    return current
+
+
+@pytest.fixture
+def measurements(monkeypatch, load):
+    """A CPU without a theoretical peak, whose measurement returns 1e11, 2e11, ... on successive
+    calls (4 threads, 7 matmuls of 2048^2), on an idle machine."""
     calls = []
 
     def fake_measure(dtype=torch.float32):
         calls.append(dtype)
-        return 1e11 * len(calls)
+        return CpuMeasurement(flops=1e11 * len(calls), size=2048, repeats=7, threads=4)
 
-    monkeypatch.setattr(mfu_module, "measure_cpu_flops", fake_measure)
+    monkeypatch.setattr(mfu_module, "measure_cpu", fake_measure)
+    monkeypatch.setattr(mfu_module, "theoretical_cpu_peak", lambda dtype: (None, "no cpufreq"))
+    monkeypatch.setattr(mfu_module, "_BUSY_MEASUREMENTS", {})
     return calls
+
+
+def entry(flops: float) -> dict:
+    """A cache entry of the fake measurement, taken today."""
+    today = datetime.date.today().isoformat()
+    return {"flops": flops, "size": 2048, "repeats": 7, "threads": 4, "date": today}
 
 
 def gpu_named(monkeypatch, name: str) -> None:
@@ -109,7 +140,9 @@ def test_an_unknown_gpu_trains_and_logs_everything_but_mfu(monkeypatch, manager,
     from forge_lm.metrics.jsonl import read_metrics
     from forge_lm.train import train
 
-    monkeypatch.setattr(loop, "world_peak_flops", lambda *args: world_peak_flops("cuda", torch.bfloat16, None, 1))
+    monkeypatch.setattr(
+        loop, "world_peak_with_source", lambda *args: world_peak_with_source("cuda", torch.bfloat16, None, 1)
+    )
     gpu_named(monkeypatch, "NVIDIA B300")
     tiny = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=4", "--model.max_seq_len=32"]
     tiny += ["--train.batch_size=2", "--train.seq_len=16", "--train.max_steps=2", "--data.name=synthetic"]
@@ -119,6 +152,40 @@ def test_an_unknown_gpu_trains_and_logs_everything_but_mfu(monkeypatch, manager,
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     assert all("loss" in r and "tokens_per_sec" in r and "mfu" not in r for r in records)
+
+
+def test_an_mfu_above_1_against_a_measured_cpu_peak_measures_it_again_once(monkeypatch, manager, tmp_path, capsys):
+    """A cached peak measured while the machine was busy is far too low: the first logged MFU
+    above 1 makes rank 0 measure again, and the run logs MFU against the new peak from there."""
+    import forge_lm.train.loop as loop
+    from forge_lm.config import load_config
+    from forge_lm.metrics.jsonl import read_metrics
+    from forge_lm.train import train
+
+    monkeypatch.setattr(loop, "world_peak_with_source", lambda *args: (1.0, "measured: a stale value"))
+    calls = []
+
+    def remeasure(dtype):
+        calls.append(dtype)
+        return 1e15, "measured: best of 7, cached"
+
+    monkeypatch.setattr(loop, "remeasure_cpu_peak_with_source", remeasure)
+    tiny = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=4", "--model.max_seq_len=32"]
+    tiny += ["--train.batch_size=2", "--train.seq_len=16", "--train.max_steps=3", "--data.name=synthetic"]
+    tiny += ['--metrics.backends=["jsonl"]', "--metrics.log_interval=1", "--eval.interval=0", "--train.device=cpu"]
+    config = load_config(None, [*tiny, f"--train.output_dir={tmp_path / 'run'}"], manager.registry)
+    train(config, manager)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert calls == [None]  # once, for fp32 (no autocast)
+    assert all(0 < r["mfu"] < 1 for r in records)  # every logged value against the new peak
+    from forge_lm.model import build_model
+    from forge_lm.model.flops import active_parameter_count, flops_per_token
+
+    model = build_model(config.model, 257, manager.registry)
+    per_token = flops_per_token(config.model, active_parameter_count(model), config.train.seq_len)
+    for r in records:  # the formula with the new peak: flops per token x tokens/s / peak
+        assert r["mfu"] == pytest.approx(per_token * r["tokens_per_sec"] / 1e15, rel=1e-9)
+    assert "was too low; measuring it again" in capsys.readouterr().err
 
 
 def test_no_autocast_dtype_means_the_fp32_peak(monkeypatch):
@@ -147,7 +214,7 @@ def test_cpu_peak_is_measured_once_then_read_from_the_cache(cache_home, measurem
     assert first == second == 1e11
     assert measurements == [torch.float32]
     stored = json.loads((cache_home / "forge_lm" / "peak_flops.json").read_text())
-    assert stored == {cpu_cache_key(torch.float32): 1e11}
+    assert stored == {cpu_cache_key(torch.float32): entry(1e11)}
 
 
 def test_cpu_cache_key_names_the_cpu_threads_torch_and_dtype(monkeypatch):
@@ -176,7 +243,7 @@ def test_a_damaged_cache_is_measured_again_and_rewritten(cache_home, measurement
     path.write_text("{not json")
 
     assert peak_flops("cpu", torch.float32) == 1e11
-    assert json.loads(path.read_text()) == {cpu_cache_key(torch.float32): 1e11}
+    assert json.loads(path.read_text()) == {cpu_cache_key(torch.float32): entry(1e11)}
 
 
 def test_an_unwritable_cache_still_gives_the_measured_peak(tmp_path, measurements, monkeypatch):
@@ -221,3 +288,212 @@ def test_the_real_measurement_is_a_positive_finite_rate():
 
     assert math.isfinite(rate)
     assert rate > 0
+
+
+# -- where the peak came from ---------------------------------------------------------------------
+
+
+def test_each_peak_says_where_it_came_from(monkeypatch, cache_home, measurements):
+    gpu_named(monkeypatch, "NVIDIA H100 80GB HBM3")
+
+    assert peak_with_source("cuda", None, configured=3e14) == (3e14, "configured ([metrics] peak_flops)")
+    assert peak_with_source("cuda", torch.bfloat16) == (989.4e12, "GPU table: NVIDIA H100 SXM bf16")
+    assert world_peak_with_source("cuda", None, None, world_size=8) == (8 * 66.9e12, "GPU table: NVIDIA H100 SXM fp32")
+    today = datetime.date.today().isoformat()
+    measured = f"measured: best of 7 matmuls of 2048^2 at 4 threads, cached {today}"
+    assert peak_with_source("cpu", None) == (1e11, measured)
+    assert peak_with_source("cpu", None) == (1e11, measured)  # the second from the cache
+    assert measurements == [torch.float32]
+
+
+def test_a_theoretical_cpu_peak_is_used_without_measuring(monkeypatch, cache_home, measurements):
+    source = "theoretical: 2 cores x 3.70 GHz x 64 FLOP/cycle (AVX-512, 2 FMA units)"
+    monkeypatch.setattr(mfu_module, "theoretical_cpu_peak", lambda dtype: (4.736e11, source))
+
+    assert peak_with_source("cpu", None) == (4.736e11, source)
+    assert measurements == []
+    assert not cache_path().exists()
+
+
+# -- the theoretical CPU peak ---------------------------------------------------------------------
+
+
+def fake_cpuinfo(vendor: str, family: int, model: int, name: str, flags: str, cores: int = 2) -> str:
+    """/proc/cpuinfo of one socket with ``cores`` cores of two hardware threads each, numbered as
+    Linux does: processors 0..cores-1 are the first threads of each core, then the second ones."""
+    blocks = []
+    for processor in range(2 * cores):
+        blocks.append(
+            f"processor\t: {processor}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+            f"model name\t: {name}\ncpu MHz\t\t: 2400.000\nphysical id\t: 0\nsiblings\t: {2 * cores}\n"
+            f"core id\t\t: {processor % cores}\ncpu cores\t: {cores}\nflags\t\t: fpu sse sse2 avx {flags}\n"
+        )
+    return "\n".join(blocks)
+
+
+def fake_sysfs(root, cpus: int, max_khz: int):
+    for cpu in range(cpus):
+        folder = root / f"cpu{cpu}" / "cpufreq"
+        folder.mkdir(parents=True)
+        (folder / "cpuinfo_max_freq").write_text(f"{max_khz}\n")
+    return root
+
+
+AVX2 = "fma avx2"
+AVX512 = f"{AVX2} avx512f avx512dq avx512bw avx512vl"
+
+# (what, cpuinfo fields, fp32 FLOP/cycle/core, bf16 FLOP/cycle/core), None meaning no theoretical peak
+CPU_TABLE = [
+    ("Zen 5", ("AuthenticAMD", 26, 17, "AMD EPYC 9755 128-Core Processor", f"{AVX512} avx512_bf16"), 64, 128),
+    ("Zen 4", ("AuthenticAMD", 25, 17, "AMD EPYC 9654 96-Core Processor", f"{AVX512} avx512_bf16"), 32, 64),
+    ("Zen 3", ("AuthenticAMD", 25, 1, "AMD EPYC 7763 64-Core Processor", AVX2), 32, None),
+    ("Zen 2", ("AuthenticAMD", 23, 49, "AMD EPYC 7742 64-Core Processor", AVX2), 32, None),
+    ("Zen 1", ("AuthenticAMD", 23, 1, "AMD EPYC 7601 32-Core Processor", AVX2), None, None),
+    ("Skylake Gold", ("GenuineIntel", 6, 85, "Intel(R) Xeon(R) Gold 6148 CPU @ 2.40GHz", AVX512), 64, None),
+    ("Skylake Silver", ("GenuineIntel", 6, 85, "Intel(R) Xeon(R) Silver 4114 CPU @ 2.20GHz", AVX512), 32, None),
+    ("Cooper Lake", ("GenuineIntel", 6, 85, "Intel(R) Xeon(R) Platinum 8380H CPU", f"{AVX512} avx512_bf16"), 64, 128),
+    ("Sapphire Rapids", ("GenuineIntel", 6, 143, "Intel(R) Xeon(R) Platinum 8480+", f"{AVX512} amx_bf16"), 64, 2048),
+    ("Haswell", ("GenuineIntel", 6, 63, "Intel(R) Xeon(R) CPU E5-2680 v3 @ 2.50GHz", AVX2), 32, None),
+    ("Sandy Bridge", ("GenuineIntel", 6, 45, "Intel(R) Xeon(R) CPU E5-2670 0 @ 2.60GHz", ""), None, None),
+    ("Hygon", ("HygonGenuine", 24, 1, "Hygon C86 7185 32-core Processor", AVX2), None, None),
+]
+
+
+@pytest.mark.parametrize(("what", "fields", "fp32", "bf16"), CPU_TABLE, ids=[row[0] for row in CPU_TABLE])
+def test_theoretical_peak_is_cores_times_clock_times_flop_per_cycle(tmp_path, what, fields, fp32, bf16):
+    cpuinfo = fake_cpuinfo(*fields, cores=2)
+    sysfs = fake_sysfs(tmp_path, cpus=4, max_khz=3_700_000)
+    everything = {"cpuinfo": cpuinfo, "sysfs": sysfs, "affinity": {0, 1, 2, 3}, "threads": 8}
+
+    for dtype, flop in ((torch.float32, fp32), (torch.bfloat16, bf16)):
+        peak, source = theoretical_cpu_peak(dtype, **everything)
+        if flop is None:
+            assert peak is None
+            assert source  # says why
+        else:
+            assert peak == pytest.approx(2 * 3.7e9 * flop)  # two physical cores, whatever the threads
+            assert source.startswith(f"theoretical: 2 cores x 3.70 GHz x {flop} FLOP/cycle (")
+
+
+def test_theoretical_source_names_the_units_and_the_reason_when_unknown(tmp_path):
+    gold = fake_cpuinfo("GenuineIntel", 6, 85, "Intel(R) Xeon(R) Gold 6148 CPU @ 2.40GHz", AVX512)
+    sysfs = fake_sysfs(tmp_path, cpus=4, max_khz=3_700_000)
+    known = {"sysfs": sysfs, "affinity": {0, 1, 2, 3}, "threads": 2}
+
+    assert theoretical_cpu_peak(torch.float32, cpuinfo=gold, **known) == (
+        pytest.approx(2 * 3.7e9 * 64),
+        "theoretical: 2 cores x 3.70 GHz x 64 FLOP/cycle (AVX-512, 2 FMA units)",
+    )
+    peak, why = theoretical_cpu_peak(torch.bfloat16, cpuinfo=gold, **known)
+    assert peak is None
+    assert "no bf16 matrix instructions" in why
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\n"
+    peak, why = theoretical_cpu_peak(torch.float32, cpuinfo=arm, sysfs=sysfs, affinity={0}, threads=1)
+    assert peak is None
+    assert "FLOP per cycle not known" in why
+
+
+def test_a_vm_without_cpufreq_has_no_theoretical_peak(tmp_path):
+    zen5 = fake_cpuinfo("AuthenticAMD", 26, 2, "AMD EPYC", f"{AVX512} avx512_bf16")
+
+    peak, why = theoretical_cpu_peak(torch.float32, cpuinfo=zen5, sysfs=tmp_path, affinity={0, 1}, threads=2)
+
+    assert peak is None
+    assert "cpuinfo_max_freq" in why
+    assert "nominal clock" in why
+
+
+def test_cores_used_are_the_threads_at_most_the_physical_cores_this_process_may_use(tmp_path):
+    zen4 = fake_cpuinfo("AuthenticAMD", 25, 17, "AMD EPYC 9654", AVX512, cores=4)  # processors 0-7
+    sysfs = fake_sysfs(tmp_path, cpus=8, max_khz=2_000_000)
+
+    def cores(affinity, threads):
+        peak, _ = theoretical_cpu_peak(torch.float32, cpuinfo=zen4, sysfs=sysfs, affinity=affinity, threads=threads)
+        return peak / (2e9 * 32)
+
+    assert cores(set(range(8)), threads=16) == pytest.approx(4)  # hardware threads add no FMA units
+    assert cores(set(range(8)), threads=3) == pytest.approx(3)
+    assert cores({0, 4}, threads=8) == pytest.approx(1)  # two threads of core 0
+    assert cores({0, 1, 4}, threads=8) == pytest.approx(2)
+
+
+def test_cpuinfo_without_topology_counts_every_cpu_as_a_core(tmp_path):
+    text = fake_cpuinfo("GenuineIntel", 6, 63, "Intel(R) Xeon(R) CPU E5-2680 v3", AVX2, cores=2)
+    text = "\n".join(line for line in text.splitlines() if not line.startswith(("core id", "physical id")))
+    sysfs = fake_sysfs(tmp_path, cpus=4, max_khz=1_000_000)
+
+    peak, _ = theoretical_cpu_peak(torch.float32, cpuinfo=text, sysfs=sysfs, affinity={0, 1, 2, 3}, threads=8)
+
+    assert peak == pytest.approx(4 * 1e9 * 32)  # too high rather than too low: MFU errs low
+
+
+# -- the measured CPU peak: cached only when idle, re-measured when proved wrong -----------------
+
+
+def test_a_busy_measurement_is_used_for_this_run_only_and_not_cached(cache_home, measurements, load, capsys):
+    load[0] = 3.6
+
+    peak, source = peak_with_source("cpu", torch.float32)
+
+    assert peak == 1e11
+    assert source == "measured while busy (load 3.6 on 2 CPUs): best of 7 matmuls of 2048^2 at 4 threads, not cached"
+    assert not cache_path().exists()
+    warning = capsys.readouterr().err
+    assert warning.startswith("forge: warning: the CPU peak for MFU was measured while busy")
+    assert "used for this run only" in warning
+    assert peak_with_source("cpu", torch.float32) == (1e11, source)  # reused by this process, not measured
+    mfu_module._BUSY_MEASUREMENTS.clear()  # as in the next process
+    load[0] = 0.2  # idle now: the next run measures again, and this time caches
+    assert peak_with_source("cpu", torch.float32)[0] == 2e11
+    assert json.loads(cache_path().read_text()) == {cpu_cache_key(torch.float32): entry(2e11)}
+
+
+def test_an_idle_measurement_is_cached(cache_home, measurements, load):
+    load[0] = 0.9  # under half of the 2 CPUs
+
+    assert peak_flops("cpu", torch.float32) == 1e11
+    assert json.loads(cache_path().read_text()) == {cpu_cache_key(torch.float32): entry(1e11)}
+
+
+def test_remeasure_drops_the_cached_peak_and_caches_the_new_one(cache_home, measurements):
+    assert peak_flops("cpu", torch.float32) == 1e11
+    assert peak_flops("cpu", torch.bfloat16) == 2e11
+
+    assert remeasure_cpu_peak(torch.float32) == 3e11
+
+    assert json.loads(cache_path().read_text()) == {
+        cpu_cache_key(torch.float32): entry(3e11),
+        cpu_cache_key(torch.bfloat16): entry(2e11),  # the other dtype's is kept
+    }
+    assert peak_flops("cpu", torch.float32) == 3e11
+    assert len(measurements) == 3
+
+
+def test_remeasuring_on_a_busy_machine_leaves_no_entry(cache_home, measurements, load):
+    assert peak_flops("cpu", torch.float32) == 1e11
+    load[0] = 5.0
+
+    assert remeasure_cpu_peak(torch.float32) == 2e11
+
+    assert json.loads(cache_path().read_text()) == {}
+    assert peak_flops("cpu", torch.float32) == 2e11  # this process keeps its busy measurement
+    mfu_module._BUSY_MEASUREMENTS.clear()  # the next process
+    load[0] = 0.0
+    assert peak_flops("cpu", torch.float32) == 3e11  # measured again rather than the wrong value
+
+
+def test_a_bare_number_from_an_older_cache_is_measured_again(cache_home, measurements):
+    path = cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({cpu_cache_key(torch.float32): 5e9}))  # how it was measured is unknown
+
+    assert peak_flops("cpu", torch.float32) == 1e11
+    assert json.loads(path.read_text()) == {cpu_cache_key(torch.float32): entry(1e11)}
+
+
+def test_machine_load_leaves_out_this_process(monkeypatch):
+    monkeypatch.setattr(mfu_module.os, "getloadavg", lambda: (3.0, 2.0, 1.0))
+    monkeypatch.setattr(mfu_module.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(mfu_module, "_own_load", lambda: 1.0)
+
+    assert mfu_module.machine_load() == (2.0, 4)

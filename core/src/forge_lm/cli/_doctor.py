@@ -96,6 +96,7 @@ def diagnose(
     checks.append(config_check)
     if config is not None and torch is not None:
         checks.append(_check_device(config))
+        checks.extend(_check_peak_flops(config))
     if torch is not None:  # on every rank, whatever failed above: the other ranks wait for this one
         checks.extend(_check_health(config))
     directory = Path(run_dir if run_dir is not None else config.train.output_dir if config is not None else ".")
@@ -468,6 +469,36 @@ def _check_device(config: Any) -> Check:
     except ForgeError as exc:
         return "device", FAIL, str(exc)
     return "device", OK, f"train.device '{setting}': the run computes on {device}"
+
+
+def _check_peak_flops(config: Any) -> list[Check]:
+    """The peak FLOP/s that MFU divides by, and where it comes from; nothing when the device
+    does not resolve (the device row says why). A check stays quick, so a CPU peak that would
+    have to be measured is only announced: the first run measures it."""
+    from forge_lm.errors import ForgeError
+    from forge_lm.metrics.mfu import known_cpu_peak, peak_with_source
+    from forge_lm.train.device import autocast_dtype, resolve_device
+
+    try:
+        device = resolve_device(config.train.device)
+    except ForgeError:
+        return []
+    dtype = autocast_dtype(config.train.precision, device)
+    what = f"{device.type} {'bf16' if dtype is not None else 'fp32'}"  # autocast_dtype: bf16 or None
+    configured = config.metrics.peak_flops
+    try:
+        if device.type == "cpu" and configured is None:
+            import torch
+
+            peak, source = known_cpu_peak(torch.float32 if dtype is None else dtype)
+        else:
+            peak, source = peak_with_source(device, dtype, configured)
+    except ForgeError as exc:
+        found = str(exc).removeprefix("[metrics] peak_flops: ")
+        return [("peak flops", WARNING, f"{what}: {found} Until then training logs no MFU")]
+    if peak is None:
+        return [("peak flops", OK, f"{what}: {source}")]
+    return [("peak flops", OK, f"{what}: {peak:.3g} FLOP/s, {source}")]
 
 
 # -- disk and writable paths --------------------------------------------------------------------

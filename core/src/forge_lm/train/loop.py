@@ -53,7 +53,7 @@ from forge_lm.distributed.reduce import agree_on_step, mean_over_data_parallel, 
 from forge_lm.errors import ConfigError
 from forge_lm.losses.aux import AuxCollector, collect_aux
 from forge_lm.metrics.memory import MemoryMetrics
-from forge_lm.metrics.mfu import mfu, world_peak_flops
+from forge_lm.metrics.mfu import is_measured, mfu, remeasure_cpu_peak_with_source, world_peak_with_source
 from forge_lm.model import build_model
 from forge_lm.model.flops import active_parameter_count, flops_per_token
 from forge_lm.model.init import materialize
@@ -121,6 +121,7 @@ class _Parts:
     tokens_per_step: int
     flops_per_token: float
     peak_flops: float | None  # of the whole world (one device's times the ranks); None: unknown, no MFU
+    peak_source: str | None  # where the peak came from (configured, GPU table, theoretical, measured)
     context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in its sequence-splitting group
 
     @property
@@ -221,7 +222,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         tokens_per_step=config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps * dp_size,
         flops_per_token=flops,
         # Measured (on CPU) by rank 0 alone: ranks timing matmuls at once would each see a fraction.
-        peak_flops=on_main_process(lambda: world_peak_flops(device, dtype, config.metrics.peak_flops, dims.world_size)),
+        **_peak(device, dtype, config.metrics.peak_flops, dims.world_size),
         context_parallel=context_parallel,
     )
 
@@ -351,7 +352,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
                         tokens_per_sec = parts.tokens_per_step * window_steps / (time.perf_counter() - window_start)
                         metrics["tokens_per_sec"] = tokens_per_sec
                         if parts.peak_flops is not None:  # an unknown device logs no MFU (warned once)
-                            metrics["mfu"] = mfu(parts.flops_per_token, tokens_per_sec, parts.peak_flops)
+                            metrics["mfu"] = _mfu(parts, tokens_per_sec)
                         metrics.update(memory.read())
                         _log(backends, step, metrics)
                         window_start, window_steps = time.perf_counter(), 0
@@ -386,6 +387,27 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
         summary = {"final_loss": loss, "steps": context.step} if trained else {"steps": context.step}
         end_run(manager, context, status, started, backends, checkpoints, summary)
     return TrainResult(run_dir, context.step, loss, status, resumed_at)
+
+
+def _peak(device: torch.device, dtype: torch.dtype | None, configured: float | None, world_size: int) -> dict:
+    """``peak_flops`` and ``peak_source`` of the run's devices. Measured (on CPU) by rank 0 alone:
+    ranks timing matmuls at once would each see a fraction."""
+    found = on_main_process(lambda: world_peak_with_source(device, dtype, configured, world_size))
+    peak, source = found if found is not None else (None, None)
+    return {"peak_flops": peak, "peak_source": source}
+
+
+def _mfu(parts: _Parts, tokens_per_sec: float) -> float:
+    """MFU against the run's peak. Above 1 against a measured CPU peak, the measurement was wrong
+    (taken while the machine was busy, or a cached value from before a faster kernel): rank 0,
+    which logs it, measures again once and uses the new peak from then on."""
+    value = mfu(parts.flops_per_token, tokens_per_sec, parts.peak_flops)
+    if value > 1.0 and parts.device.type == "cpu" and is_measured(parts.peak_source or "") and is_main_process():
+        _warn(f"MFU {value:.2f} > 1: the measured CPU peak ({parts.peak_source}) was too low; measuring it again")
+        peak, source = remeasure_cpu_peak_with_source(parts.dtype)
+        parts.peak_flops, parts.peak_source = peak * parts.dims.world_size, f"re-{source}"
+        value = mfu(parts.flops_per_token, tokens_per_sec, parts.peak_flops)
+    return value
 
 
 def _config_hash(config: ForgeConfig) -> str:
