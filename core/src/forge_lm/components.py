@@ -176,3 +176,55 @@ class Initializer(Protocol):
 
     def name_of(self, tensor: Any) -> str:
         """The fully-qualified name of ``tensor`` in the model (``layers.3.feed_forward.w1``)."""
+
+
+PARAMETER_ROLES = ("embedding", "output", "norm", "bias", "matrix")
+"""The roles :func:`parameter_roles` gives, in the order it decides them."""
+
+
+def parameter_roles(model: Any) -> dict[str, str]:
+    """Each parameter of ``model`` by name (as ``model.named_parameters()`` gives them) mapped to
+    its role, for optimizers that treat parameters differently:
+
+    - ``"embedding"``: a parameter of an ``nn.Embedding``, including the shared tensor of an
+      output head tied to one (it appears once, under its first name, ``tok_embeddings.weight``);
+    - ``"output"``: a weight of the model's output head: ``model.output`` on a Forge model (None
+      on a pipeline stage without it), else the module ``model.get_output_embeddings()`` returns;
+    - ``"norm"``: a parameter of a normalisation layer (``nn.RMSNorm``, ``nn.LayerNorm``, or any
+      module whose class name ends in ``Norm``, such as Forge's own ``RMSNorm``);
+    - ``"bias"``: any other parameter with fewer than 2 dimensions (biases, scalar gates);
+    - ``"matrix"``: every other parameter (2-D and higher weights: attention and feed-forward
+      projections, stacked expert weights, router weights).
+
+    The role comes from the module holding the parameter, never from its name, and Forge's
+    transforms (FSDP2, tensor parallelism, activation checkpointing, pipeline stages) keep both
+    modules and names, so the result is the same for a whole model, any pipeline stage of it
+    and any sharded layout (where parameters are DTensors: only their dimensions are read).
+    Frozen parameters are included. Imports torch on call only.
+    """
+    from torch import nn
+
+    head = getattr(model, "output", None)
+    if not isinstance(head, nn.Module):
+        find_head = getattr(model, "get_output_embeddings", None)
+        head = find_head() if callable(find_head) else None
+    by_id: dict[int, str] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            role = "embedding"
+        elif head is not None and module is head:
+            role = "output"
+        elif isinstance(module, nn.LayerNorm | nn.RMSNorm) or type(module).__name__.endswith("Norm"):
+            role = "norm"
+        else:
+            continue
+        for param in module.parameters(recurse=False):
+            if by_id.get(id(param)) != "embedding":  # a tied head's tensor stays an embedding
+                by_id[id(param)] = role
+    roles = {}
+    for name, param in model.named_parameters():
+        role = by_id.get(id(param))
+        if role == "output" and param.ndim < 2:
+            role = "bias"  # a head's bias is a bias
+        roles[name] = role or ("bias" if param.ndim < 2 else "matrix")
+    return roles

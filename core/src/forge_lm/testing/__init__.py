@@ -12,29 +12,57 @@ own tests::
     def test_conformance(check):
         check()
 
-Per category, what is checked (and the keyword aids a component may need):
+Per category, what is checked. Every failure message names the component, what the kit
+expected (the pass mark) and what it measured.
 
 - optimizers: every trainable parameter is in exactly one group; the loss of a tiny problem
-  falls within 40 steps (run at ``lr = 1e-2`` unless the options give one); a state-dict round
-  trip (plain data, ``weights_only`` loadable) resumes bit for bit.
-- schedulers: the documented linear warmup ``(s + 1) / W``; rates within ``[0, base]``; a
-  state-dict round trip resumes the same schedule.
+  falls by at least 20% within 40 steps (run at ``lr = 1e-2`` unless the options give one); a
+  state-dict round trip (plain data, ``weights_only`` loadable) resumes bit for bit.
+- schedulers: the documented linear warmup ``(s + 1) / W``, always run with a warmup: the
+  options table's ``warmup_steps`` when it sets one, else ``W = 4`` (the check is skipped, with
+  the reason, when the options have no ``warmup_steps`` field); rates within ``[0, base]``
+  with a first step above 0; a state-dict round trip at step 37 resumes the same schedule.
 - losses: finite value and gradients; positions labelled ``IGNORE_INDEX`` have no effect; the
   value is a token mean (what gradient accumulation relies on); equality with an independent
-  ``reference(logits, labels)`` that the author supplies.
+  reference.
 - datasets: sample form; reproducibility; a state round trip restores the exact next sample;
-  data-parallel ranks get distinct samples. Aid: ``context=DataContext(...)``.
-- metrics backends: writes only inside the run directory; what was logged is recorded, read
-  back by ``read_back(run_dir, output)`` that the author supplies.
-- tokenizers: ids within the vocabulary; ``decode(encode(text)) == text`` (``lossless=False``
-  turns this off).
+  data-parallel ranks get distinct samples.
+- metrics backends: writes only inside the run directory; what was logged is recorded.
+- tokenizers: ids and ``eos_id`` within the vocabulary; ``decode(encode(text)) == text``.
 - feed-forward layers: shape-preserving, finite, gradients reach the input and every parameter.
+- routers (the contract forge-moe defines: ``factory(options, dim, n_experts, top_k)``,
+  ``router(x) -> indices, weights, aux_losses``): shapes and dtypes (``[batch * seq, top_k]``,
+  int64 and float32; scalar aux losses); ``top_k`` distinct experts in ``[0, n_experts)`` per
+  token; weights finite, non-negative and, for a normalising router, summing to 1 per token;
+  a loss on the weights reaches the router's parameters, and every trainable parameter gets a
+  finite gradient from the weights and aux losses; the same input is routed the same way (eval
+  mode).
 - every category: the options survive a round trip through a config table.
 - distributions: entry points in the ``forge_lm`` group; plugin modules import no heavy
   dependency; the declared plugin API range admits this core; the plugin loads with status ok.
 
-Routers and model transforms have no behavioural checks yet: their contracts are defined by
-the features that use them.
+Model transforms and evaluators have no behavioural checks yet.
+
+Keywords of :func:`component_checks` (the third item of a ``parametrize_with_checks``
+component tuple holds them; an aid a category does not use is refused with a ``TypeError``):
+
+- every category: ``options``, the component's config table (as in its TOML section; checks
+  override some keys, such as ``lr`` for optimizers and ``warmup_steps`` for schedulers, only
+  when the table leaves them out); ``manager``, the ``PluginManager`` to resolve it in (default:
+  a fresh one that loads every installed plugin).
+- losses: ``reference=callable(logits, labels) -> scalar``, an independent implementation the
+  loss must match (required for a third-party loss; the core's losses have their own).
+- datasets: ``context=DataContext(...)``, the context datasets are built with (default:
+  ``seq_len=16, vocab_size=64, seed=7``); the kit changes only ``dp_rank``/``dp_size`` in it.
+  Give it a tokenizer, a registry or sizes your dataset needs.
+- metrics backends: ``read_back=callable(run_dir, output) -> [(step, metrics), ...]``, reading
+  back what the backend recorded (``output`` is what it printed to standard output); required
+  for a third-party backend.
+- tokenizers: ``lossless=False`` turns the ``decode(encode(text)) == text`` check off for a
+  tokenizer whose normalisation changes text (the vocabulary check still runs).
+- routers: ``n_experts`` (default 8) and ``top_k`` (default 2), the sizes the router is built
+  with; ``normalized``: whether a token's weights must sum to 1 (default: true unless the
+  options have ``renormalize = False``).
 """
 
 from forge_lm.testing._kit import Check, check_component, component_checks, parametrize_with_checks

@@ -33,6 +33,15 @@ def _same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) ->
     )
 
 
+def _first_difference(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> str:
+    if len(a) != len(b):
+        return f"{len(a)} samples against {len(b)}"
+    for index, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x.keys() != y.keys() or not all(torch.equal(x[k], y[k]) for k in x):
+            return f"sample {index} differs"
+    return "no difference"
+
+
 @category_check("datasets")
 def check_samples_have_the_documented_form(subject: Subject) -> None:
     context = _context(subject)
@@ -40,24 +49,32 @@ def check_samples_have_the_documented_form(subject: Subject) -> None:
         for key in ("input_ids", "labels"):
             value = sample.get(key)
             assert isinstance(value, torch.Tensor) and value.dtype == torch.long, (
-                f"{subject.label}: sample['{key}'] must be a LongTensor"
+                f"{subject.label}: sample['{key}'] is "
+                f"{getattr(value, 'dtype', type(value).__name__)}; the kit expects a torch.long tensor"
             )
             assert value.shape == (context.seq_len,), (
-                f"{subject.label}: sample['{key}'] has shape {tuple(value.shape)}, expected ({context.seq_len},)"
+                f"{subject.label}: sample['{key}'] has shape {tuple(value.shape)}; the kit expects "
+                f"(seq_len,) = ({context.seq_len},)"
             )
         ids, labels = sample["input_ids"], sample["labels"]
-        assert ids.min() >= 0 and ids.max() < context.vocab_size, f"{subject.label}: token ids outside the vocabulary"
+        assert ids.min() >= 0 and ids.max() < context.vocab_size, (
+            f"{subject.label}: token ids range from {ids.min().item()} to {ids.max().item()}; the kit expects "
+            f"them within [0, vocab_size) = [0, {context.vocab_size})"
+        )
         counted = labels[labels != IGNORE_INDEX]
         assert counted.numel() == 0 or (counted.min() >= 0 and counted.max() < context.vocab_size), (
-            f"{subject.label}: labels outside the vocabulary"
+            f"{subject.label}: labels range from {counted.min().item()} to {counted.max().item()}; the kit "
+            f"expects them within [0, vocab_size) = [0, {context.vocab_size}) or equal to IGNORE_INDEX"
         )
 
 
 @category_check("datasets")
 def check_is_reproducible(subject: Subject) -> None:
     context = _context(subject)
-    assert _same(_take(subject.build(context), 5), _take(subject.build(context), 5)), (
-        f"{subject.label}: two datasets built from the same context yield different samples"
+    first, second = _take(subject.build(context), 5), _take(subject.build(context), 5)
+    assert _same(first, second), (
+        f"{subject.label}: two datasets built from the same context yield different samples "
+        f"({_first_difference(first, second)}); the kit expects their first 5 samples identical"
     )
 
 
@@ -71,8 +88,11 @@ def check_state_round_trip_restores_the_next_sample(subject: Subject) -> None:
     expected = [next(iterator) for _ in range(4)]
     resumed = subject.build(context)
     resumed.load_state_dict(state)
-    assert _same(_take(resumed, 4), expected), (
-        f"{subject.label}: after load_state_dict the dataset does not continue where the state was taken"
+    got = _take(resumed, 4)
+    assert _same(got, expected), (
+        f"{subject.label}: after load_state_dict the dataset does not continue where the state was taken "
+        f"({_first_difference(got, expected)} after 3 samples were taken); the kit expects the next 4 samples "
+        "identical"
     )
 
 
@@ -81,4 +101,7 @@ def check_data_parallel_ranks_get_distinct_samples(subject: Subject) -> None:
     rank0 = _take(subject.build(_context(subject, dp_rank=0, dp_size=2)), 3)
     rank1 = _take(subject.build(_context(subject, dp_rank=1, dp_size=2)), 3)
     overlap = [i for i, a in enumerate(rank0) for b in rank1 if torch.equal(a["input_ids"], b["input_ids"])]
-    assert not overlap, f"{subject.label}: ranks 0 and 1 of 2 receive the same samples"
+    assert not overlap, (
+        f"{subject.label}: ranks 0 and 1 of 2 receive the same samples ({len(overlap)} of rank 0's first 3 "
+        "also reach rank 1); the kit expects 0 in common"
+    )

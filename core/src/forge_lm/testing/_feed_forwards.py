@@ -14,12 +14,24 @@ DIM = 32
 def check_maps_hidden_states_to_the_same_shape_with_gradients(subject: Subject) -> None:
     torch.manual_seed(0)
     layer = subject.build(DIM, 0)
-    assert isinstance(layer, torch.nn.Module), f"{subject.label} must return a torch.nn.Module"
+    assert isinstance(layer, torch.nn.Module), (
+        f"{subject.label} returned {type(layer).__name__}; the kit expects a torch.nn.Module"
+    )
     x = torch.randn(2, 5, DIM, requires_grad=True)
     y = layer(x)
-    assert isinstance(y, torch.Tensor) and y.shape == x.shape, f"{subject.label} maps {tuple(x.shape)} to {y.shape}"
-    assert torch.isfinite(y).all(), f"{subject.label} returns non-finite values"
+    assert isinstance(y, torch.Tensor) and y.shape == x.shape, (
+        f"{subject.label} maps {tuple(x.shape)} to "
+        f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}; the kit expects the same shape"
+    )
+    bad = int((~torch.isfinite(y)).sum())
+    assert bad == 0, f"{subject.label} returns {bad} non-finite values of {y.numel()}; the kit expects none"
     y.square().mean().backward()
-    assert x.grad is not None and x.grad.abs().sum() > 0, f"{subject.label} passes no gradient to its input"
+    reached = 0.0 if x.grad is None else x.grad.abs().sum().item()
+    assert reached > 0, (
+        f"{subject.label} passes no gradient to its input (total magnitude {reached}); the kit expects a non-zero one"
+    )
     frozen = [name for name, p in layer.named_parameters() if p.requires_grad and p.grad is None]
-    assert not frozen, f"{subject.label}: parameters receive no gradient: {frozen}"
+    assert not frozen, (
+        f"{subject.label}: {len(frozen)} trainable parameters receive no gradient: {frozen}; the kit expects "
+        "every trainable parameter to get one"
+    )

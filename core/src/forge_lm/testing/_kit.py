@@ -48,6 +48,37 @@ class Subject:
         return self.component.build(self.options() if options is None else options, *args, **kwargs)
 
 
+AIDS: dict[str, tuple[str, ...]] = {
+    "losses": ("reference",),
+    "datasets": ("context",),
+    "metrics_backends": ("read_back",),
+    "tokenizers": ("lossless",),
+    "routers": ("n_experts", "top_k", "normalized"),
+}
+"""The keyword aids :func:`component_checks` accepts per category, besides ``options`` and ``manager``."""
+
+
+def skip_check(reason: str) -> None:
+    """End a check without a verdict: a pytest skip under pytest, :class:`CheckSkipped` otherwise."""
+    try:
+        import pytest
+    except ImportError:  # pragma: no cover - the kit is used from pytest
+        raise CheckSkipped(reason) from None
+    pytest.skip(reason)
+
+
+class CheckSkipped(Exception):
+    """A check that does not apply to the component (raised only where pytest is absent)."""
+
+
+def _skip_exceptions() -> tuple[type[BaseException], ...]:
+    try:
+        import pytest
+    except ImportError:  # pragma: no cover
+        return (CheckSkipped,)
+    return (CheckSkipped, pytest.skip.Exception)
+
+
 CheckFunction = Callable[[Subject], None]
 _CHECKS: dict[str, list[CheckFunction]] = {}
 
@@ -76,6 +107,7 @@ def _load_check_modules() -> None:
         _metrics,
         _optimizers,
         _options,
+        _routers,
         _schedulers,
         _tokenizers,
     )
@@ -92,10 +124,17 @@ def component_checks(
     """The checks that ``name`` in ``category`` honours its category's contract.
 
     ``options`` is the component's config table for the checks (as in a TOML section).
-    ``extras`` are category-specific aids, documented in :mod:`forge_lm.testing`
+    ``extras`` are category-specific aids, listed per category in :mod:`forge_lm.testing`
     (``reference`` for losses, ``read_back`` for metrics backends, ``context`` for datasets,
-    ``lossless`` for tokenizers).
+    ``lossless`` for tokenizers, ``n_experts``, ``top_k`` and ``normalized`` for routers).
+    An aid the category does not use is refused, so a misspelt one is not silently ignored.
     """
+    unknown = sorted(set(extras) - set(AIDS.get(category, ())))
+    if unknown:
+        accepted = ", ".join(AIDS.get(category, ())) or "none"
+        raise TypeError(
+            f"component_checks('{category}', ...) got unknown aids {unknown}; this category accepts: {accepted}"
+        )
     manager = manager if manager is not None else PluginManager()
     component = manager.registry.resolve(category, name)
     subject = Subject(manager, component, dict(options or {}), extras)
@@ -106,11 +145,15 @@ def component_checks(
 
 
 def check_component(category: str, name: str, **kwargs: Any) -> None:
-    """Run every check of the component; one AssertionError lists all failures."""
+    """Run every check of the component; one AssertionError lists all failures (checks that do
+    not apply to the component, such as the warmup check of a scheduler without warmup, pass)."""
     failures = []
+    skipped = _skip_exceptions()
     for check in component_checks(category, name, **kwargs):
         try:
             check()
+        except skipped:
+            continue
         except AssertionError as exc:
             failures.append(f"{check.id}: {exc}")
     if failures:

@@ -48,7 +48,10 @@ def check_writes_nowhere_but_the_run_directory(subject: Subject) -> None:
         finally:
             os.chdir(previous)
         stray = sorted(p.name for p in Path(work).iterdir() if p.name != "run")
-        assert not stray, f"{subject.label} wrote outside the run directory: {stray}"
+        assert not stray, (
+            f"{subject.label} wrote outside the run directory: {stray}; the kit expects nothing but the run "
+            "directory in the working directory"
+        )
 
 
 @category_check("metrics_backends")
@@ -67,10 +70,17 @@ def check_records_what_was_logged(subject: Subject) -> None:
         output = _run(subject, Path(work))
         recorded = list(read_back(Path(work), output))
     assert [step for step, _ in recorded] == [step for step, _ in LOGGED], (
-        f"{subject.label} recorded steps {[s for s, _ in recorded]}, logged {[s for s, _ in LOGGED]}"
+        f"{subject.label} recorded steps {[s for s, _ in recorded]}; the kit logged steps "
+        f"{[s for s, _ in LOGGED]} and expects the same list read back"
     )
     for (step, sent), (_, got) in zip(LOGGED, recorded, strict=True):
         for key, value in sent.items():
-            assert key in got, f"{subject.label} lost '{key}' at step {step}"
+            assert key in got, (
+                f"{subject.label} lost '{key}' at step {step}: it logged {sorted(sent)}, read back {sorted(got)}; "
+                "the kit expects every logged key"
+            )
             same = math.isnan(value) and math.isnan(got[key]) if math.isnan(value) else math.isclose(got[key], value)
-            assert same, f"{subject.label} recorded {key}={got[key]} at step {step}, logged {value}"
+            assert same, (
+                f"{subject.label} recorded {key}={got[key]} at step {step}; the kit logged {value} and expects it "
+                "back (NaN as NaN; else equal within math.isclose's relative tolerance 1e-9)"
+            )

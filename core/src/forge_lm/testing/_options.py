@@ -11,9 +11,14 @@ from forge_lm.testing._kit import Subject, category_check
 
 def check_options_round_trip_through_a_config_table(subject: Subject) -> None:
     options = subject.options()
-    assert attrs.has(type(options)), f"{subject.label}: options must be an attrs instance"
+    assert attrs.has(type(options)), (
+        f"{subject.label}: options are a {type(options).__name__}; the kit expects an attrs class instance"
+    )
     again = subject.options(**to_data(options))
-    assert again == options, f"{subject.label}: options change when written out and read back: {options} -> {again}"
+    assert again == options, (
+        f"{subject.label}: options change when written out and read back: {options} -> {again}; the kit "
+        "expects them equal"
+    )
 
 
 for _category in CATEGORIES:

@@ -1,28 +1,45 @@
 """Scheduler contract: ``factory(options, optimizer, total_steps) -> LRScheduler``.
 
 With ``warmup_steps = W`` the step with index ``s < W`` runs at ``base_lr * (s + 1) / W``.
+Every check runs a scheduler whose options have a ``warmup_steps`` field with a warmup: the
+options table's own ``warmup_steps`` when it sets one above 0, else :data:`WARMUP`; the
+warmup check is skipped, saying why, for options without that field.
 """
 
 from __future__ import annotations
 
 import math
 
+import attrs
 import torch
 
-from forge_lm.testing._kit import Subject, category_check
+from forge_lm.testing._kit import Subject, category_check, skip_check
 from forge_lm.testing._tiny import plain_round_trip
 
-TOTAL, WARMUP = 100, 10
+TOTAL, WARMUP = 100, 4
+RESUME_AT = 37
+
+
+def _warmup(subject: Subject) -> int | None:
+    """The warmup the checks run with, or None when the options have no ``warmup_steps``."""
+    if not subject.has_option("warmup_steps"):
+        return None
+    return int(subject.options_table.get("warmup_steps") or WARMUP)
+
+
+def _options(subject: Subject) -> object:
+    options = subject.options()
+    warmup = _warmup(subject)
+    return options if warmup is None else attrs.evolve(options, warmup_steps=warmup)
 
 
 def _schedule(subject: Subject, steps: int, state: tuple[object, object] | None = None) -> tuple[list[float], tuple]:
     """Learning rates of ``steps`` consecutive steps (base lr 1.0), and the final state."""
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.SGD([param], lr=1.0)
-    overrides = {"warmup_steps": WARMUP} if subject.has_option("warmup_steps") else {}
-    scheduler = subject.build(optimizer, TOTAL, options=subject.options(**overrides))
+    scheduler = subject.build(optimizer, TOTAL, options=_options(subject))
     assert isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler), (
-        f"{subject.label} returned {type(scheduler).__name__}, not a torch LRScheduler"
+        f"{subject.label} returned {type(scheduler).__name__}; the kit expects a torch.optim.lr_scheduler.LRScheduler"
     )
     if state is not None:
         optimizer.load_state_dict(state[0])
@@ -37,28 +54,51 @@ def _schedule(subject: Subject, steps: int, state: tuple[object, object] | None 
 
 @category_check("schedulers")
 def check_follows_the_documented_warmup(subject: Subject) -> None:
-    rates, _ = _schedule(subject, TOTAL)
-    assert rates[0] > 0, f"{subject.label} runs its first step at learning rate {rates[0]}"
-    if subject.has_option("warmup_steps"):
-        expected = [(s + 1) / WARMUP for s in range(WARMUP)]
-        assert all(math.isclose(r, e, rel_tol=1e-9) for r, e in zip(rates, expected, strict=False)), (
-            f"{subject.label} with warmup_steps={WARMUP} gives {rates[:WARMUP]}, expected (s + 1) / W = {expected}"
+    warmup = _warmup(subject)
+    if warmup is None:
+        skip_check(
+            f"{subject.label}: its options ({subject.component.options_class.__name__}) have no warmup_steps "
+            "field, so there is no documented warmup to check"
         )
+    rates, _ = _schedule(subject, TOTAL)
+    assert rates[0] > 0, (
+        f"{subject.label} with warmup_steps={warmup} runs its first step at learning rate {rates[0]}; "
+        f"the kit expects (0 + 1) / {warmup} = {1 / warmup:g} times the base rate (1.0)"
+    )
+    expected = [(s + 1) / warmup for s in range(warmup)]
+    wrong = [
+        (s, r, e) for s, (r, e) in enumerate(zip(rates, expected, strict=False)) if not math.isclose(r, e, rel_tol=1e-9)
+    ]
+    assert not wrong, (
+        f"{subject.label} with warmup_steps={warmup} gives {rates[:warmup]} over the warmup; the kit expects "
+        f"(s + 1) / W = {expected} (relative tolerance 1e-9); first difference at step {wrong[0][0]}: "
+        f"{wrong[0][1]} instead of {wrong[0][2]}"
+    )
 
 
 @category_check("schedulers")
 def check_stays_within_zero_and_the_peak(subject: Subject) -> None:
     rates, _ = _schedule(subject, TOTAL)
     bad = [(s, r) for s, r in enumerate(rates) if not (math.isfinite(r) and 0.0 <= r <= 1.0 + 1e-12)]
-    assert not bad, f"{subject.label} leaves [0, base_lr] at (step, lr) {bad[:5]}"
+    assert not bad, (
+        f"{subject.label} leaves [0, base_lr] at (step, lr) {bad[:5]} ({len(bad)} of {TOTAL} steps); the kit "
+        "expects every rate of the run finite and within [0, 1.0] for a base rate of 1.0"
+    )
+    assert rates[0] > 0, (
+        f"{subject.label} runs its first step at learning rate {rates[0]}; the kit expects it above 0 (a step at "
+        "rate 0 is wasted)"
+    )
 
 
 @category_check("schedulers")
 def check_state_dict_round_trip_resumes_exactly(subject: Subject) -> None:
     straight, _ = _schedule(subject, TOTAL)
-    first, state = _schedule(subject, 37)
-    rest, _ = _schedule(subject, TOTAL - 37, state=state)
-    differing = [step for step, (a, b) in enumerate(zip(first + rest, straight, strict=True)) if a != b]
+    first, state = _schedule(subject, RESUME_AT)
+    rest, _ = _schedule(subject, TOTAL - RESUME_AT, state=state)
+    resumed = first + rest
+    differing = [step for step, (a, b) in enumerate(zip(resumed, straight, strict=True)) if a != b]
     assert not differing, (
-        f"{subject.label}: resuming at step 37 from its state_dict changes the schedule from step {differing[:1]}"
+        f"{subject.label}: resuming at step {RESUME_AT} from its state_dict changes the schedule at "
+        f"{len(differing)} of {TOTAL} steps, first at step {differing[0]}: {resumed[differing[0]]} instead of "
+        f"{straight[differing[0]]}; the kit expects the resumed rates to equal the uninterrupted run's exactly"
     )

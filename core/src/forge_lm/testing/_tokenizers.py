@@ -14,11 +14,16 @@ TEXTS = ["Hello, Forge!", "  spaces\tand\nnewlines  ", "Ünïcödé: 東京 🔥
 @category_check("tokenizers")
 def check_ids_lie_in_the_vocabulary(subject: Subject) -> None:
     tokenizer = subject.build()
-    assert 0 <= tokenizer.eos_id < tokenizer.vocab_size, f"{subject.label}: eos_id outside the vocabulary"
+    assert 0 <= tokenizer.eos_id < tokenizer.vocab_size, (
+        f"{subject.label}: eos_id is {tokenizer.eos_id}; the kit expects it within [0, vocab_size) = "
+        f"[0, {tokenizer.vocab_size})"
+    )
     for text in TEXTS:
         ids = tokenizer.encode(text)
-        assert all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size for i in ids), (
-            f"{subject.label}: encode({text!r}) gives ids outside [0, {tokenizer.vocab_size})"
+        bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < tokenizer.vocab_size)]
+        assert not bad, (
+            f"{subject.label}: encode({text!r}) gives ids {bad[:5]}; the kit expects Python ints within "
+            f"[0, vocab_size) = [0, {tokenizer.vocab_size})"
         )
 
 
@@ -28,4 +33,8 @@ def check_decode_inverts_encode(subject: Subject) -> None:
         return  # the author declared the round trip lossy; the vocabulary check still runs
     tokenizer = subject.build()
     for text in TEXTS:
-        assert tokenizer.decode(tokenizer.encode(text)) == text, f"{subject.label}: decode(encode({text!r})) differs"
+        again = tokenizer.decode(tokenizer.encode(text))
+        assert again == text, (
+            f"{subject.label}: decode(encode({text!r})) gives {again!r}; the kit expects the text back unchanged "
+            "(pass lossless=False for a tokenizer that normalises text)"
+        )
