@@ -178,16 +178,14 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         evaluator = build_eval_sets(config, registry, tokenizer, vocab_size, dp_rank, dp_size, device, dtype)
     evaluators = []
     if config.eval.evaluators and config.eval.interval:
-        if dims.pp > 1:  # an evaluator calls the whole model's forward; a stage is a part of it
-            raise ConfigError(
-                "[eval] evaluators run the whole model on each rank and cannot run under pipeline parallelism "
-                f"([distributed] pp = {dims.pp}); remove them or train with pp = 1"
-            )
-        if dims.cp > 1:  # likewise: under context parallelism the model takes slices of sequences
-            raise ConfigError(
-                "[eval] evaluators run the whole model on each rank and cannot run under context parallelism "
-                f"([distributed] cp = {dims.cp}); remove them or train with cp = 1"
-            )
+        # An evaluator calls the whole model's forward on whole sequences: a pipeline stage is a
+        # part of the model, and under context parallelism the model takes slices of sequences.
+        for degree, kind in (("pp", "pipeline"), ("cp", "context")):
+            if getattr(dims, degree) > 1:
+                raise ConfigError(
+                    f"[eval] evaluators run the whole model on each rank and cannot run under {kind} parallelism "
+                    f"([distributed] {degree} = {getattr(dims, degree)}); remove them or train with {degree} = 1"
+                )
         evaluator_context = EvaluatorContext(
             run_dir=Path(config.train.output_dir),
             tokenizer=tokenizer,
@@ -221,7 +219,6 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         backends=build_metrics_backends(config, registry, Path(config.train.output_dir)) if is_main_process() else [],
         tokens_per_step=config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps * dp_size,
         flops_per_token=flops,
-        # Measured (on CPU) by rank 0 alone: ranks timing matmuls at once would each see a fraction.
         **_peak(device, dtype, config.metrics.peak_flops, dims.world_size),
         context_parallel=context_parallel,
     )
