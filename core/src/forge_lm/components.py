@@ -110,6 +110,19 @@ class Evaluator(Protocol):
 
 
 @runtime_checkable
+class EvaluationPointOptimizer(Protocol):
+    """An optimizer whose weights for evaluation differ from those it trains (schedule-free
+    methods evaluate at an average of the iterates). The training loop calls ``eval()`` before
+    every evaluation and ``train()`` after it; an optimizer without both methods is left alone."""
+
+    def eval(self) -> None:
+        """Swap the evaluation weights into the model's parameters."""
+
+    def train(self) -> None:
+        """Swap the training weights back."""
+
+
+@runtime_checkable
 class MetricsBackend(Protocol):
     """Receives metrics on the rank that logs (rank 0)."""
 

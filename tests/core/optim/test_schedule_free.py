@@ -145,3 +145,30 @@ def test_a_schedulers_warmup_acts_as_the_optimizers_own(build_optimizer, make_mo
     scheduled_optimizer.eval()
     for a, b in zip(own.parameters(), scheduled.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+def test_the_loop_evaluates_at_the_averaged_point_and_trains_on():
+    """The loop's evaluation context swaps schedule-free's evaluation weights in and back out;
+    an optimizer without an evaluation point (AdamW) is left alone."""
+    from forge_lm.components import EvaluationPointOptimizer
+    from forge_lm.optim.schedule_free import ScheduleFreeAdamW
+    from forge_lm.train.loop import _evaluation_mode
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = ScheduleFreeAdamW(model.parameters(), lr=0.1, warmup_steps=0)
+    assert isinstance(optimizer, EvaluationPointOptimizer)
+    assert not isinstance(torch.optim.AdamW(model.parameters()), EvaluationPointOptimizer)
+    for _ in range(3):
+        model(torch.randn(4, 3)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    training = model.weight.detach().clone()
+    optimizer.eval()
+    averaged = model.weight.detach().clone()
+    optimizer.train()
+    assert not torch.equal(training, averaged)  # the two points differ after a few steps
+    with _evaluation_mode(model, optimizer):
+        assert not model.training
+        torch.testing.assert_close(model.weight.detach(), averaged)
+    assert model.training
+    torch.testing.assert_close(model.weight.detach(), training)

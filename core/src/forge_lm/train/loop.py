@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from forge_lm import events
 from forge_lm.checkpoint import CheckpointManager
-from forge_lm.components import EvaluatorContext
+from forge_lm.components import EvaluationPointOptimizer, EvaluatorContext
 from forge_lm.config import ForgeConfig, to_data
 from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed import (
@@ -562,14 +562,16 @@ def _restore_sync(model: torch.nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def _evaluation_mode(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Eval mode for the model, and for optimizers that keep a separate evaluation point
-    (schedule-free: its ``eval()`` swaps in the averaged weights)."""
+    (:class:`~forge_lm.components.EvaluationPointOptimizer`: schedule-free's ``eval()`` swaps
+    in the averaged weights)."""
+    swaps = isinstance(optimizer, EvaluationPointOptimizer)
     model.eval()
-    if hasattr(optimizer, "eval"):
+    if swaps:
         optimizer.eval()
     try:
         yield
     finally:
-        if hasattr(optimizer, "train"):
+        if swaps:
             optimizer.train()
         model.train()
 
