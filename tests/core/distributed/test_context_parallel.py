@@ -23,7 +23,7 @@ from forge_lm.distributed.context_parallel import zigzag_positions
 from forge_lm.errors import ConfigError
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
-from forge_lm.testing.distributed import torchrun
+from forge_lm.testing.distributed import metrics_by_step, torchrun
 
 WORKER = Path(__file__).parent / "workers" / "context_parallel_worker.py"
 # test_torchrun_cli.py's tiny run: a constant learning rate, evaluation and checkpoints at step 2.
@@ -55,15 +55,6 @@ def _train(run_dir: Path, steps: int, *extra: str, nproc: int = 1) -> subprocess
         result = torchrun(["-m", "forge_lm", *args, *extra], nproc=nproc)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
-
-
-def _metrics(run_dir: Path) -> dict[int, dict[str, float]]:
-    """The newest record of each step (a resumed run logs a step again)."""
-    steps: dict[int, dict[str, float]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        steps.setdefault(record["step"], {}).update(record)
-    return steps
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +149,7 @@ def test_forge_train_under_cp_logs_the_losses_of_one_process_and_resumes_in_one(
     resumed = _train(run_dir, 4)
     assert "resumed from" in resumed.stderr
     assert "global batch changed" not in resumed.stderr
-    expected, actual = _metrics(expected_dir), _metrics(run_dir)
+    expected, actual = metrics_by_step(expected_dir), metrics_by_step(run_dir)
     for step in (1, 2, 3, 4):  # the loss and norm of every step, the eval loss at 2 (cp) and 4 (resumed)
         for key in ("loss", "grad_norm", "eval/loss"):
             if key in expected[step]:
@@ -173,7 +164,7 @@ def test_a_one_process_checkpoint_resumes_under_cp(tmp_path: Path) -> None:
     _train(run_dir, 2)
     resumed = _train(run_dir, 4, "--distributed.cp=2", nproc=2)
     assert "resumed from" in resumed.stderr
-    expected, actual = _metrics(expected_dir), _metrics(run_dir)
+    expected, actual = metrics_by_step(expected_dir), metrics_by_step(run_dir)
     for step in (3, 4):
         for key in ("loss", "grad_norm", "eval/loss"):
             if key in expected[step]:

@@ -4,7 +4,6 @@ number of ranks, and a clear error when the ranks' plugins differ."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from forge_lm.testing.distributed import torchrun
+from forge_lm.testing.distributed import metrics_by_step, torchrun
 
 # Per-rank batch 2 on 2 ranks = batch 4 in one process. A constant learning rate, so that a run
 # stopped early and resumed follows the same schedule as one that never stopped.
@@ -58,21 +57,12 @@ def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return result
 
 
-def _metrics(run_dir: Path) -> dict[int, dict[str, float]]:
-    """The newest record of each step (a resumed run may log a step again)."""
-    steps: dict[int, dict[str, float]] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        steps.setdefault(record["step"], {}).update(record)
-    return steps
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, float]]:
     """Four steps in one process: what every layout below must reproduce."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     _ok(_one_process(run_dir, 4))
-    return _metrics(run_dir)
+    return metrics_by_step(run_dir)
 
 
 def _assert_same_steps(actual, expected, steps) -> None:
@@ -87,7 +77,7 @@ def test_two_ranks_train_like_one_process(tmp_path: Path, reference) -> None:
     result = _ok(_two_ranks(run_dir, 4))
     assert "2 ranks: dp_replicate=1 dp_shard=2 tp=1 pp=1 ep=1; model transforms: fsdp2" in result.stderr
     assert result.stdout.count("trained 4 steps") == 1  # one summary, from rank 0
-    _assert_same_steps(_metrics(run_dir), reference, [1, 2, 3, 4])
+    _assert_same_steps(metrics_by_step(run_dir), reference, [1, 2, 3, 4])
     assert sorted(p.name for p in (run_dir / "checkpoints" / "step_4").glob("*.distcp")) == [
         "__0_0.distcp",
         "__1_0.distcp",
@@ -99,7 +89,7 @@ def test_tensor_parallel_ranks_share_the_batch(tmp_path: Path, reference) -> Non
     run_dir = tmp_path / "run"
     result = _ok(_two_ranks(run_dir, 2, "--distributed.tp=2", "--train.batch_size=4"))
     assert "model transforms: tensor_parallel" in result.stderr
-    _assert_same_steps(_metrics(run_dir), reference, [1, 2])
+    _assert_same_steps(metrics_by_step(run_dir), reference, [1, 2])
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, reference) -> None:
@@ -108,14 +98,14 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, reference) -> N
     resumed = _ok(_one_process(run_dir, 4))
     assert "resumed from" in resumed.stderr
     assert "global batch changed" not in resumed.stderr  # 2 ranks x 2 = 1 rank x 4
-    _assert_same_steps(_metrics(run_dir), reference, [3, 4])
+    _assert_same_steps(metrics_by_step(run_dir), reference, [3, 4])
 
 
 def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path, reference) -> None:
     run_dir = tmp_path / "run"
     _ok(_one_process(run_dir, 2))
     _ok(_two_ranks(run_dir, 4))
-    _assert_same_steps(_metrics(run_dir), reference, [3, 4])
+    _assert_same_steps(metrics_by_step(run_dir), reference, [3, 4])
 
 
 def test_pipeline_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
@@ -126,7 +116,7 @@ def test_pipeline_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
     _ok(_two_ranks(run_dir, 2, untied, "--distributed.pp=2", "--train.batch_size=4"))  # pp ranks share data
     resumed = _ok(_one_process(run_dir, 4, untied))
     assert "resumed from" in resumed.stderr
-    expected, actual = _metrics(expected_dir), _metrics(run_dir)
+    expected, actual = metrics_by_step(expected_dir), metrics_by_step(run_dir)
     _assert_same_steps(actual, expected, [1, 2, 3, 4])
 
 
@@ -160,7 +150,7 @@ def test_srun_style_launch_without_torchrun(tmp_path: Path, reference) -> None:
     outputs = [rank.communicate(timeout=300) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     assert "2 ranks: dp_replicate=1 dp_shard=2" in outputs[0][1]
-    _assert_same_steps(_metrics(run_dir), reference, [1, 2])
+    _assert_same_steps(metrics_by_step(run_dir), reference, [1, 2])
 
 
 def test_a_signal_to_one_rank_stops_every_rank_after_one_checkpoint(tmp_path: Path) -> None:
@@ -170,7 +160,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_one_checkpoint(tmp_path: Pa
     args = [*TINY, "--train.batch_size=2", "--train.max_steps=100000", "--eval.interval=0", "--checkpoint.interval=0"]
     ranks = _srun_style_ranks([*args, f"--train.output_dir={run_dir}"])
     deadline = time.monotonic() + 240
-    while not (run_dir / "metrics.jsonl").exists() or len(_metrics(run_dir)) < 3:
+    while not (run_dir / "metrics.jsonl").exists() or len(metrics_by_step(run_dir)) < 3:
         assert time.monotonic() < deadline, "the ranks did not train"
         assert all(rank.poll() is None for rank in ranks), [rank.communicate() for rank in ranks]
         time.sleep(0.2)

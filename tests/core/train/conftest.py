@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
+import torch
 
 from forge_lm.config import ForgeConfig, load_config
+from forge_lm.distributed import ParallelDims
 from forge_lm.plugins import PluginManager
 from forge_lm.testing import TINY_MODEL
+from forge_lm.train.components import build
 
 TINY = (
     *TINY_MODEL,
@@ -32,5 +37,26 @@ def tiny_config(tmp_path: Path, manager: PluginManager) -> Callable[..., ForgeCo
     def make(*overrides: str, manager: PluginManager = manager) -> ForgeConfig:
         run_dir = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         return load_config(None, [*TINY, f"--train.output_dir={run_dir}", *overrides], manager.registry)
+
+    return make
+
+
+@pytest.fixture
+def one_process_parts(manager: PluginManager) -> Callable[..., Any]:
+    """The fields of the loop's ``_Parts`` that ``_train_step`` uses, for one process: what a
+    test needs to run the loop's own step on a model it built."""
+
+    def make(model: torch.nn.Module, config: ForgeConfig, manager: PluginManager = manager) -> Any:
+        from forge_lm.train.loop import _Parts
+
+        fields = {name: None for name in attrs.fields_dict(_Parts)}  # unused by a one-process step
+        fields.update(
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),  # lr 0: only the gradients matter
+            loss_fn=build(manager.registry, "losses", config.loss),
+            device=torch.device("cpu"),
+            dims=ParallelDims(),
+        )
+        return _Parts(**fields)
 
     return make

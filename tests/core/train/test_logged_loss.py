@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from forge_lm.data.loader import BatchLoader
-from forge_lm.distributed import ParallelDims
 from forge_lm.model import build_model
 from forge_lm.train.components import build, build_dataset
 from forge_lm.train.evaluate import Evaluator
@@ -28,22 +26,12 @@ def _fresh(config, manager):
 
 
 @pytest.mark.parametrize("loss_name", ["cross_entropy", "chunked_cross_entropy"])
-def test_logged_loss_is_the_cross_entropy_and_the_gradient_includes_the_z_loss(tiny_config, manager, loss_name):
+def test_logged_loss_is_the_cross_entropy_and_the_gradient_includes_the_z_loss(
+    tiny_config, manager, one_process_parts, loss_name
+):
     config = tiny_config(f"--loss.name={loss_name}", f"--loss.z_loss_weight={Z_WEIGHT}", "--train.grad_clip=0")
     model, batches = _fresh(config, manager)
-    parts = types.SimpleNamespace(  # the fields of the loop's _Parts that a step uses, for one process
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        loss_fn=build(manager.registry, "losses", config.loss),
-        device=torch.device("cpu"),
-        dtype=None,
-        pipeline=None,
-        pp_group=None,
-        mesh=None,
-        dims=ParallelDims(),
-        context_parallel=None,
-    )
-    loss, _, reports = _train_step(parts, batches, config)
+    loss, _, reports = _train_step(one_process_parts(model, config), batches, config)
     loss, aux = loss.item(), reports.logged()
     grads = {name: param.grad.clone() for name, param in model.named_parameters()}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import types
 from pathlib import Path
 
 import pytest
@@ -162,15 +161,14 @@ class _AuxPlugin:
         register("aux_ffn", lambda options, dim, layer: _AuxFeedForward(dim), description="reports aux losses")
 
 
-def test_auxiliary_losses_reach_the_gradient_once_and_are_logged(tiny_config, manager):
-    from forge_lm.distributed import ParallelDims
+def test_auxiliary_losses_reach_the_gradient_once_and_are_logged(tiny_config, manager, one_process_parts):
     from forge_lm.train.loop import _train_step
 
     manager.add_plugin(_AuxPlugin(), "aux")
     config = tiny_config("--model.ffn.name=aux_ffn", "--train.grad_clip=0")  # unclipped, like the reference
     from forge_lm.data.loader import BatchLoader
     from forge_lm.model import build_model
-    from forge_lm.train.components import build, build_dataset
+    from forge_lm.train.components import build_dataset
 
     def fresh():
         torch.manual_seed(0)
@@ -179,20 +177,7 @@ def test_auxiliary_losses_reach_the_gradient_once_and_are_logged(tiny_config, ma
         return model, batches
 
     model, batches = fresh()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: only the gradients matter
-    parts = types.SimpleNamespace(  # the fields of the loop's _Parts that a step uses, for one process
-        model=model,
-        optimizer=optimizer,
-        loss_fn=build(manager.registry, "losses", config.loss),
-        device=torch.device("cpu"),
-        dtype=None,
-        pipeline=None,
-        pp_group=None,
-        mesh=None,
-        dims=ParallelDims(),
-        context_parallel=None,
-    )
-    loss, _, reports = _train_step(parts, batches, config)
+    loss, _, reports = _train_step(one_process_parts(model, config), batches, config)
     loss, aux = loss.item(), reports.logged()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 

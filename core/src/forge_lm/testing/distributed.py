@@ -39,3 +39,15 @@ def torchrun(
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(command, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def metrics_by_step(run_dir: str | Path) -> dict[int, dict[str, float]]:
+    """The run's ``metrics.jsonl`` as ``{step: metrics}``, the records of one step merged and
+    the newest winning: a resumed run logs a step again, and evaluations log apart from
+    training. What multi-process tests compare against the one-process run."""
+    from forge_lm.metrics.jsonl import read_metrics
+
+    steps: dict[int, dict[str, float]] = {}
+    for record in read_metrics(Path(run_dir) / "metrics.jsonl"):
+        steps.setdefault(record["step"], {}).update(record)
+    return steps
