@@ -11,22 +11,28 @@ from __future__ import annotations
 
 import email.message
 import json
+import re
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from forge_lm.cli import _doctor
+from forge_lm.cli._doctor import _environment, _gpu, _paths
 from forge_lm.cli._main import main
 
-REAL_METADATA = _doctor._distribution_metadata
+REAL_METADATA = _environment.distribution_metadata
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "packaging.md"
 
 
 @pytest.fixture(autouse=True)
 def _a_cpu_machine(monkeypatch):
     """Every test starts on a CPU-only machine with no sign of a GPU, whatever runs it."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(_doctor, "_gpu_hint", lambda: None)
+    monkeypatch.setattr(_gpu, "_gpu_hint", lambda: None)
 
 
 @pytest.fixture
@@ -55,7 +61,7 @@ def _with_core_metadata(monkeypatch, *, requires_python: str = ">=3.11", require
     for line in requires:
         fake["Requires-Dist"] = line
     monkeypatch.setattr(
-        _doctor, "_distribution_metadata", lambda name: fake if name == "forge-lm" else REAL_METADATA(name)
+        _environment, "distribution_metadata", lambda name: fake if name == "forge-lm" else REAL_METADATA(name)
     )
 
 
@@ -194,7 +200,7 @@ def test_gpu_without_bf16_warns_to_use_fp32(doctor, monkeypatch):
 
 
 def test_gpu_that_torch_cannot_use_is_a_warning_naming_the_cause(doctor, monkeypatch):
-    monkeypatch.setattr(_doctor, "_gpu_hint", lambda: "/dev/nvidiactl exists")
+    monkeypatch.setattr(_gpu, "_gpu_hint", lambda: "/dev/nvidiactl exists")
     monkeypatch.setattr(torch.version, "cuda", None)
 
     code, rows = doctor("--no-plugin-autoload")
@@ -386,7 +392,7 @@ def test_unwritable_run_directory_fails_naming_the_fix(doctor, tmp_path, monkeyp
         if directory == tmp_path:
             raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(_doctor, "_probe_writable", refuse)
+    monkeypatch.setattr(_paths, "_probe_writable", refuse)
 
     code, rows = doctor("--no-plugin-autoload", "--run-dir", str(tmp_path / "run"))
 
@@ -425,3 +431,128 @@ def test_doctor_is_a_forge_command():
     from forge_lm.cli._main import build_parser
 
     assert "doctor" in build_parser().format_help()
+
+
+# -- sections: their order, a check that crashes, no torch at import -----------------------------
+
+
+def _documented_checks() -> list[list[str]]:
+    """The check column of docs/packaging.md's table, top to bottom: the names on each line."""
+    text = DOCS.read_text(encoding="utf-8")
+    start = text.index("| check | fails when | warns when |")
+    lines = text[start : text.index("\n\n", start)].splitlines()[2:]  # below the header and its rule
+    return [re.findall(r"`([^`]+)`", line.split("|")[1]) for line in lines]
+
+
+def _documented_place(row: str, documented: list[list[str]]) -> int:
+    """The line documenting ``row``: the one naming it, else the one whose NAME (any plugin) or
+    N (any rank) stands for it ('plugin switches' is its own line, not a plugin's)."""
+    places = [index for index, names in enumerate(documented) if row in names]
+    if not places:
+        for index, names in enumerate(documented):
+            for name in names:
+                words = [r"\S+" if w == "NAME" else r"\d+" if w == "N" else re.escape(w) for w in name.split()]
+                if re.fullmatch(" ".join(words), row):
+                    places.append(index)
+    assert len(places) == 1, f"check {row!r} is documented on {len(places)} lines of the table in {DOCS}"
+    return places[0]
+
+
+def test_rows_come_in_the_order_the_docs_list_them_and_every_one_is_documented(doctor, tmp_path):
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # so that the checkpoints row shows too
+    documented = _documented_checks()
+
+    code, rows = doctor("--no-plugin-autoload", "--block-plugin", "doctor-nonexistent")
+
+    assert code == 0
+    places = [_documented_place(row, documented) for row in rows]
+    assert places == sorted(places), list(rows)
+    # every documented line showed, except the per-rank health rows (only under torchrun)
+    assert [names for index, names in enumerate(documented) if index not in places] == [["health rank N"]]
+    assert rows["checkpoints"] == ("ok", "none yet")
+
+
+def test_sections_are_ordered_with_each_check_in_exactly_one():
+    checks = [check for section in _doctor.SECTIONS for check in section.CHECKS]
+
+    assert [section.__name__.rsplit(".", 1)[1] for section in _doctor.SECTIONS] == [
+        "_environment",
+        "_gpu",
+        "_plugins",
+        "_config",
+        "_health",
+        "_paths",
+    ]
+    assert len(set(checks)) == len(checks)
+    assert all(check.__module__ == section.__name__ for section in _doctor.SECTIONS for check in section.CHECKS)
+
+
+def test_a_check_that_raises_is_one_failed_row_naming_it_and_the_others_still_run(doctor, monkeypatch):
+    _, healthy = doctor("--no-plugin-autoload")
+
+    def crash():
+        raise RuntimeError("the probe exploded")
+
+    monkeypatch.setattr(_gpu, "_gpu_hint", crash)  # inside the gpu check, the first of its section
+    code, rows = doctor("--no-plugin-autoload")
+
+    assert code == 1
+    assert list(rows) == list(healthy)  # the same rows, in the same order: every other check ran
+    status, detail = rows["gpu"]
+    assert status == "fail"
+    assert detail.startswith(
+        "the check crashed, so this was not checked (the other checks ran): forge_lm.cli._doctor._gpu.gpu raised "
+        "RuntimeError: the probe exploded at test_doctor.py:"
+    )
+    assert detail.endswith("This is a bug: report it with this message and the output of 'forge --version'")
+    assert {name: row for name, row in rows.items() if name != "gpu"} == {
+        name: row for name, row in healthy.items() if name != "gpu"
+    }
+
+
+def test_a_crashed_config_check_leaves_out_what_needs_the_config_and_runs_the_rest(doctor, monkeypatch):
+    from forge_lm.plugins import PluginManager
+
+    def configure(self, config):
+        raise KeyError("a plugin's configure hook went wrong")
+
+    monkeypatch.setattr(PluginManager, "configure", configure)
+    code, rows = doctor("--no-plugin-autoload")
+
+    assert code == 1
+    assert rows["config"][0] == "fail"
+    assert "forge_lm.cli._doctor._config.config raised KeyError: " in rows["config"][1]
+    assert "device" not in rows  # no valid config to check it against
+    assert "peak flops" not in rows
+    statuses = _statuses(rows)
+    assert [statuses[name] for name in ("health", "run directory", "disk", "cache directory")] == ["ok"] * 4
+
+
+def test_without_torch_the_torch_row_fails_and_the_checks_that_need_it_are_left_out(doctor, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+
+    code, rows = doctor("--no-plugin-autoload")
+
+    assert code == 1
+    status, detail = rows["torch"]
+    assert status == "fail"
+    assert detail.startswith("import torch failed: ModuleNotFoundError: ")
+    assert detail.endswith("Fix: pip install 'torch<3,>=2.6'")
+    assert [name for name in rows if not name.startswith("plugin ")] == [
+        "python",
+        "torch",
+        "dependencies",
+        "core plugins",
+        "config",
+        "run directory",
+        "disk",
+    ]
+    assert all(status == "ok" for name, (status, _) in rows.items() if name != "torch")
+
+
+def test_the_doctor_package_imports_no_torch_so_forge_help_stays_fast():
+    probe = "import sys, forge_lm.cli._doctor; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+
+    assert result.stdout.strip() == "[]"

@@ -1,0 +1,72 @@
+"""Checks of the run config (file and overrides, with the plugins' components) and of what it
+asks of this machine: the device, and the peak FLOP/s that MFU divides by. The config check
+hands the valid config to the checks after it through the context."""
+
+from __future__ import annotations
+
+from forge_lm.cli._doctor._check import FAIL, OK, WARNING, Check, Context
+
+
+def config(context: Context) -> list[Check]:
+    from forge_lm.config import load_config
+    from forge_lm.errors import ForgeError
+
+    what = context.config_path or "the default config"
+    if context.overrides:
+        what += f" with {len(context.overrides)} override(s)"
+    try:
+        loaded = load_config(context.config_path, context.overrides, context.manager.registry)
+        context.manager.configure(loaded)
+    except ForgeError as exc:
+        return [Check("config", FAIL, f"{what}: {exc}")]
+    context.config = loaded
+    return [Check("config", OK, f"{what} is valid")]
+
+
+def device(context: Context) -> list[Check]:
+    """Nothing without a valid config (the config row says why) or without torch."""
+    if context.config is None or context.torch is None:
+        return []
+    from forge_lm.errors import ForgeError
+    from forge_lm.train.device import resolve_device
+
+    setting = context.config.train.device
+    try:
+        resolved = resolve_device(setting)
+    except ForgeError as exc:
+        return [Check("device", FAIL, str(exc))]
+    return [Check("device", OK, f"train.device '{setting}': the run computes on {resolved}")]
+
+
+def peak_flops(context: Context) -> list[Check]:
+    """The peak FLOP/s that MFU divides by, and where it comes from; nothing when the device
+    does not resolve (the device row says why). A check stays quick, so a CPU peak that would
+    have to be measured is only announced: the first run measures it."""
+    if context.config is None or context.torch is None:
+        return []
+    from forge_lm.errors import ForgeError
+    from forge_lm.metrics.mfu import known_cpu_peak, peak_with_source
+    from forge_lm.train.device import autocast_dtype, resolve_device
+
+    config = context.config
+    try:
+        resolved = resolve_device(config.train.device)
+    except ForgeError:
+        return []
+    dtype = autocast_dtype(config.train.precision, resolved)
+    what = f"{resolved.type} {'bf16' if dtype is not None else 'fp32'}"  # autocast_dtype: bf16 or None
+    configured = config.metrics.peak_flops
+    try:
+        if resolved.type == "cpu" and configured is None:
+            peak, source = known_cpu_peak(context.torch.float32 if dtype is None else dtype)
+        else:
+            peak, source = peak_with_source(resolved, dtype, configured)
+    except ForgeError as exc:
+        found = str(exc).removeprefix("[metrics] peak_flops: ")
+        return [Check("peak flops", WARNING, f"{what}: {found} Until then training logs no MFU")]
+    if peak is None:
+        return [Check("peak flops", OK, f"{what}: {source}")]
+    return [Check("peak flops", OK, f"{what}: {peak:.3g} FLOP/s, {source}")]
+
+
+CHECKS = (config, device, peak_flops)
