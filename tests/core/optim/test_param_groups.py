@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
+from forge_lm.components import parameter_roles
 from forge_lm.optim.param_groups import weight_decay_groups
 
 OPTIMIZERS = ["adamw", "lion", "schedule_free_adamw"]
@@ -87,3 +89,23 @@ def test_each_builtin_optimizer_decays_embeddings_when_asked(name, build_optimiz
     optimizer = build_optimizer(name, model, weight_decay=0.25, decay_embeddings=True)
 
     assert grouped_names(model, optimizer.param_groups)[0.25] == ["embed.weight", "proj.weight"]
+
+
+class PerChannelNorm(nn.Module):
+    """A norm whose scale is 2-D (one row per group): a norm by role, whatever its shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2, 4))
+
+
+def test_decay_follows_the_shared_parameter_roles_not_the_shape():
+    # The rule is forge_lm.components.parameter_roles, the one plugin optimizers reuse: a norm's
+    # 2-D scale is a norm (not decayed), and decay and roles agree name by name.
+    model = SmallLM(tied=False)
+    model.group_norm = PerChannelNorm()
+    roles = parameter_roles(model)
+    decayed = grouped_names(model, weight_decay_groups(model, 0.1))[0.1]
+
+    assert "group_norm.weight" not in decayed
+    assert sorted(decayed) == sorted(name for name, role in roles.items() if role in ("matrix", "output"))
