@@ -48,6 +48,7 @@ BUILTIN_PLUGINS = {
     "core.tokenizers",
     "core.feed_forwards",
     "core.transforms",
+    "core.hf_llama",
 }
 
 

@@ -134,13 +134,18 @@ def test_models_mixtral_cannot_express_are_refused_with_the_reason(ffn, problem,
         export_with_plugins(moe_manager, model, model.config, tmp_path / "hf")
 
 
-def test_hooks_leave_dense_models_and_other_model_types_to_the_core(moe_manager):
-    from forge_lm.plugins import PluginSettings
+def moe_hook(manager, hook: str):
+    (impl,) = [impl for impl in getattr(manager.hook, hook).get_hookimpls() if impl.plugin_name == "moe"]
+    return impl.function
 
-    dense_manager = type(moe_manager)(PluginSettings(autoload=False))
-    dense = build_model(structure_config({}, dense_manager.registry).model, VOCAB, dense_manager.registry)
-    assert moe_manager.hook.forge_lm_hf_export(model=dense, config=dense.config) is None
-    assert moe_manager.hook.forge_lm_hf_import(hf_config={"model_type": "llama"}, state={}) is None
+
+def test_hooks_leave_dense_models_and_other_model_types_to_the_core(moe_manager):
+    dense = build_model(structure_config({}, moe_manager.registry).model, VOCAB, moe_manager.registry)
+    assert moe_hook(moe_manager, "forge_lm_hf_export")(model=dense, config=dense.config) is None
+    assert moe_hook(moe_manager, "forge_lm_hf_import")(hf_config={"model_type": "llama"}, state={}) is None
+    # so the core's Llama conversion, asked after forge-moe, is the one that answers
+    hf_config, _ = moe_manager.call_first("forge_lm_hf_export", model=dense, config=dense.config)
+    assert hf_config["architectures"] == ["LlamaForCausalLM"]
 
 
 def test_mixtral_with_a_sliding_window_is_refused():

@@ -1,11 +1,15 @@
-"""``forge export-hf RUN_OR_CHECKPOINT OUT_DIR``: write a checkpoint in Hugging Face Llama format,
-with the run's tokenizer in Hugging Face form beside it."""
+"""``forge export-hf RUN_OR_CHECKPOINT OUT_DIR``: write a checkpoint as a Hugging Face model,
+with the run's tokenizer in Hugging Face form beside it.
+
+The first plugin whose ``forge_lm_hf_export`` converts the model writes it (the core's
+``core.hf_llama`` converts its dense model to Llama, after every other plugin); a model no
+installed plugin converts is refused."""
 
 from __future__ import annotations
 
 import sys
 
-HELP = "export a checkpoint and its tokenizer for Hugging Face (Llama, or what a plugin maps it to)"
+HELP = "export a checkpoint and its tokenizer for Hugging Face (Llama, or what a plugin converts it to)"
 TAKES_OVERRIDES = False
 
 

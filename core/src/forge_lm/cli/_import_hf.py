@@ -1,7 +1,8 @@
 """``forge import-hf HF_DIR --train.output_dir=RUN``: a Hugging Face model as a Forge run.
 
-The model section comes from the ``config.json`` (Llama, or a model type a plugin maps
-through ``forge_lm_hf_import``), the weights become the run's
+The first plugin whose ``forge_lm_hf_import`` reads the ``config.json``'s model type (the
+core's ``core.hf_llama`` reads Llama, after every other plugin) gives the model section and
+the weights; a model type no installed plugin reads is refused. The weights become the run's
 ``checkpoints/step_0``; ``forge generate``, ``forge export-hf`` and the Python API then use it
 like any run. A ``tokenizer.json`` beside the model becomes the run's tokenizer unless the
 overrides choose another. Other overrides set the rest of the run config.
@@ -9,7 +10,7 @@ overrides choose another. Other overrides set the rest of the run config.
 
 from __future__ import annotations
 
-HELP = "import a Hugging Face Llama model into a new run directory (then generate, export-hf, ...)"
+HELP = "import a Hugging Face model (Llama, or what a plugin reads) into a new run directory"
 TAKES_OVERRIDES = True
 
 

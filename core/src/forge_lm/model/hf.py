@@ -1,8 +1,16 @@
-"""Conversion between Forge's dense model and Hugging Face's ``LlamaForCausalLM``, both ways.
+"""Conversion between Forge's dense model and Hugging Face's ``LlamaForCausalLM``, both ways,
+and the weight renaming every Hugging Face decoder of Forge's shape shares.
 
 The layouts agree except for names: RoPE uses the same half-split convention (no permutation
 of ``wq``/``wk`` rows) and grouped-query heads are grouped the same way. Only models with
 RMSNorm, no QK-norm and SwiGLU feed-forward layers in every block have a Llama equivalent.
+
+:func:`rename_to_hf` and :func:`rename_from_hf` rename what Llama and Mixtral (through
+forge-moe) share: embeddings, attention, norms, head and the per-layer prefixes; each format
+passes a function for its own feed-forward weights. ``forge export-hf`` and ``forge import-hf``
+convert only through the ``forge_lm_hf_export`` / ``forge_lm_hf_import`` hooks
+(:func:`export_with_plugins`, :func:`import_with_plugins`); the Llama conversion here answers
+them from the core's built-in plugin ``core.hf_llama``, after every other plugin.
 
 ``transformers`` is needed only for :func:`to_hf_config`; export and import need ``safetensors``
 (the core's ``hf`` extra). Both are imported inside the functions that use them.
@@ -13,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,31 +32,121 @@ from forge_lm.config import ComponentConfig, ModelSection
 from forge_lm.default_plugins.feed_forwards import SwiGLUOptions
 from forge_lm.errors import ForgeError
 from forge_lm.model.swiglu import SwiGLU
+from forge_lm.plugins import PluginHookFailed
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints, as save_pretrained writes them
 
-# Forge name <-> HF name, outside the blocks and inside block N.
+# Forge name <-> HF name of what every decoder of Forge's shape shares: outside the blocks,
+# and inside block N (after the prefixes "layers.N." and "model.layers.N.").
 _GLOBAL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
+_BLOCK_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# Llama's own part: the SwiGLU feed-forward, inside block N.
+_LLAMA_FFN_NAMES = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 _FORGE_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _HF_IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")  # old checkpoints kept it
+
+FeedForwardRenamer = Callable[[int, str, torch.Tensor], dict[str, torch.Tensor] | None]
+"""``(block index, name inside the block, tensor) -> {name inside the block on the other side:
+tensor}``, or None for a name the format does not know. It may return several tensors (one
+stacked Forge tensor is one HF tensor per expert, and back) or none yet (it keeps the pieces
+and the caller assembles them after the renaming)."""
+
+
+# -- renaming shared by every format --------------------------------------------------------
+
+
+def rename_to_hf(
+    state: Mapping[str, torch.Tensor], feed_forward: FeedForwardRenamer, *, architecture: str
+) -> dict[str, torch.Tensor]:
+    """``state`` (a Forge state dict) under the Hugging Face names of ``architecture``
+    (``"LlamaForCausalLM"``, for messages): the shared parts renamed here, each block's other
+    weights (its feed-forward) by ``feed_forward``. Tensors are passed on, not copied; a name
+    that neither knows is refused."""
+    return _rename(
+        state,
+        feed_forward,
+        (_GLOBAL_NAMES, _BLOCK_NAMES, _FORGE_LAYER, "model.layers"),
+        lambda name: f"parameter '{name}' has no Hugging Face {architecture} counterpart.",
+    )
+
+
+def rename_from_hf(
+    state: Mapping[str, torch.Tensor], feed_forward: FeedForwardRenamer, *, architecture: str
+) -> dict[str, torch.Tensor]:
+    """A Hugging Face ``architecture`` state dict under Forge's names: the inverse of
+    :func:`rename_to_hf`. RoPE's cached ``inv_freq`` (kept by old checkpoints) is skipped.
+
+    Without ``lm_head.weight`` (tied checkpoints omit it) the head is the embedding tensor,
+    which loads correctly into tied and untied Forge models alike.
+    """
+    out = _rename(
+        {name: tensor for name, tensor in state.items() if not _HF_IGNORED.fullmatch(name)},
+        feed_forward,
+        (_FORGE_GLOBAL_NAMES, _FORGE_BLOCK_NAMES, _HF_LAYER, "layers"),
+        lambda name: f"weight '{name}' is not part of a {architecture} that Forge can import.",
+    )
+    if "tok_embeddings.weight" not in out:
+        raise ForgeError(f"the checkpoint has no model.embed_tokens.weight; it is not a complete {architecture}.")
+    out.setdefault("output.weight", out["tok_embeddings.weight"])
+    return out
+
+
+_FORGE_GLOBAL_NAMES = {hf: forge for forge, hf in _GLOBAL_NAMES.items()}
+_FORGE_BLOCK_NAMES = {hf: forge for forge, hf in _BLOCK_NAMES.items()}
+
+
+def _rename(
+    state: Mapping[str, torch.Tensor],
+    feed_forward: FeedForwardRenamer,
+    names: tuple[dict[str, str], dict[str, str], re.Pattern[str], str],
+    refusal: Callable[[str], str],
+) -> dict[str, torch.Tensor]:
+    """One direction of the renaming; ``names`` is (outside the blocks, inside a block, the
+    pattern of a block's name with its index, the other side's block prefix)."""
+    global_names, block_names, layer, prefix = names
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name in global_names:
+            out[global_names[name]] = tensor
+            continue
+        match = layer.fullmatch(name)
+        renamed = None
+        if match is not None:
+            index, inside = int(match.group(1)), match.group(2)
+            renamed = {block_names[inside]: tensor} if inside in block_names else feed_forward(index, inside, tensor)
+        if renamed is None:
+            raise ForgeError(refusal(name))
+        out.update({f"{prefix}.{index}.{other}": other_tensor for other, other_tensor in renamed.items()})
+    return out
+
+
+def _llama_ffn_to_hf(index: int, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    return {_LLAMA_FFN_NAMES[name]: tensor} if name in _LLAMA_FFN_NAMES else None
+
+
+_LLAMA_FFN_FROM_HF = {hf: forge for forge, hf in _LLAMA_FFN_NAMES.items()}
+
+
+def _llama_ffn_from_hf(index: int, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    return {_LLAMA_FFN_FROM_HF[name]: tensor} if name in _LLAMA_FFN_FROM_HF else None
 
 
 # -- configs ------------------------------------------------------------------------------------
@@ -194,16 +293,7 @@ def to_hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     as in the HF model's own state dict); tensors are shared with the model, not copied."""
     check_llama_compatible(model.config)
     swiglu_hidden_of(model)
-    out = {}
-    for name, tensor in model.state_dict().items():
-        if name in _GLOBAL_NAMES:
-            out[_GLOBAL_NAMES[name]] = tensor
-            continue
-        match = _FORGE_LAYER.fullmatch(name)
-        if match is None or match.group(2) not in _LAYER_NAMES:
-            raise ForgeError(f"parameter '{name}' has no Hugging Face Llama counterpart.")
-        out[f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"] = tensor
-    return out
+    return rename_to_hf(model.state_dict(), _llama_ffn_to_hf, architecture="LlamaForCausalLM")
 
 
 def from_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -212,23 +302,52 @@ def from_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     Without ``lm_head.weight`` (tied checkpoints omit it) the head is the embedding tensor, which
     loads correctly into tied and untied Forge models alike.
     """
-    forge_global = {hf: forge for forge, hf in _GLOBAL_NAMES.items()}
-    forge_layer = {hf: forge for forge, hf in _LAYER_NAMES.items()}
-    out = {}
-    for name, tensor in state.items():
-        if _HF_IGNORED.fullmatch(name):
-            continue
-        if name in forge_global:
-            out[forge_global[name]] = tensor
-            continue
-        match = _HF_LAYER.fullmatch(name)
-        if match is None or match.group(2) not in forge_layer:
-            raise ForgeError(f"weight '{name}' is not part of a LlamaForCausalLM that Forge can import.")
-        out[f"layers.{match.group(1)}.{forge_layer[match.group(2)]}"] = tensor
-    if "tok_embeddings.weight" not in out:
-        raise ForgeError("the checkpoint has no model.embed_tokens.weight; it is not a complete LlamaForCausalLM.")
-    out.setdefault("output.weight", out["tok_embeddings.weight"])
-    return out
+    return rename_from_hf(state, _llama_ffn_from_hf, architecture="LlamaForCausalLM")
+
+
+# -- the core's answers to the conversion hooks (default_plugins/hf_llama.py) ---------------------
+
+
+def llama_export(
+    model: nn.Module, config: ModelSection, *, bos_id: int | None = None, eos_id: int | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """``(config.json dict, LlamaForCausalLM state dict)`` of a model whose every block has the
+    core's SwiGLU feed-forward, or None for any other model (another plugin's to convert).
+
+    A model that has those blocks but something Llama cannot express (LayerNorm, QK-norm) is
+    refused with a :class:`ForgeError` naming each setting. A tied head is stored once, as the
+    embedding: safetensors refuses shared tensors, and transformers re-ties on load.
+    """
+    if not all(isinstance(layer.feed_forward, SwiGLU) for layer in model.layers):
+        return None
+    check_llama_compatible(config)
+    hf_config = hf_config_dict(config, model.vocab_size, swiglu_hidden_of(model), bos_id=bos_id, eos_id=eos_id)
+    state = to_hf_state_dict(model)
+    if config.tie_embeddings:
+        del state["lm_head.weight"]
+    return hf_config, state
+
+
+def llama_import(
+    hf_config: dict[str, Any], state: dict[str, torch.Tensor]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """``([model] table as plain data, Forge state dict)`` of a ``model_type = "llama"``
+    checkpoint, or None for any other model type. A Llama that Forge cannot express, or a
+    ``config.json`` missing fields or holding wrong types, is refused with a :class:`ForgeError`."""
+    if hf_config.get("model_type") != "llama":
+        return None
+    try:
+        fields = model_section_fields(hf_config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ForgeError(
+            f"{CONFIG_FILE} does not describe a Llama model Forge can import: {type(exc).__name__}: {exc}"
+        ) from None
+    if "lm_head.weight" not in state:
+        fields["tie_embeddings"] = True
+    ffn = fields.pop("ffn")
+    from forge_lm.config import to_data
+
+    return {**fields, "ffn": {"name": ffn.name, **to_data(ffn.options)}}, from_hf_state_dict(state)
 
 
 # -- files --------------------------------------------------------------------------------------
@@ -301,37 +420,48 @@ def _checked_conversion(converted: Any, hook: str, shape: str) -> tuple[dict[str
     return converted
 
 
+def _askers(manager: Any, hook: str) -> str:
+    """The plugins implementing ``hook``, in the order they are asked, for messages."""
+    names = [impl.plugin_name for impl in reversed(getattr(manager.hook, hook).get_hookimpls())]
+    return ", ".join(manager.plugin(name).label for name in names) or "none"
+
+
 def export_with_plugins(
     manager: Any, model: nn.Module, config: ModelSection, out_dir: str | Path, *, eos_id: int | None = None
 ) -> Path:
-    """Export through the plugin whose components make up ``model`` (``forge_lm_hf_export``),
-    or as a Llama model when no plugin claims it."""
+    """Export through the first plugin that converts ``model`` (``forge_lm_hf_export``; the
+    core's Llama conversion is asked last). Refuses a model that no installed plugin converts."""
     converted = manager.call_first("forge_lm_hf_export", model=model, config=config)
     if converted is None:
-        return export_hf(model, config, out_dir, eos_id=eos_id)
+        raise ForgeError(
+            f"this model has no Hugging Face equivalent that an installed plugin writes: its feed-forward is "
+            f"[model.ffn] name = '{config.ffn.name}', and no plugin's forge_lm_hf_export converts it (asked: "
+            f"{_askers(manager, 'forge_lm_hf_export')}). Keep it in Forge's own checkpoint format, or install "
+            "the plugin that converts such models."
+        )
     hf_config, state = _checked_conversion(converted, "forge_lm_hf_export", "(config.json dict, HF state dict)")
     return write_hf(out_dir, {**hf_config, "eos_token_id": eos_id}, state)
 
 
 def import_with_plugins(manager: Any, hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``([model] table, Forge state dict)`` through the plugin that understands the model type
-    (``forge_lm_hf_import``), or as a Llama model when none does."""
+    """``([model] table, Forge state dict)`` through the first plugin that understands the model
+    type (``forge_lm_hf_import``; the core's Llama conversion is asked last). Refuses a model
+    type that no installed plugin imports."""
     hf_config, hf_state = read_hf(hf_dir)
-    converted = manager.call_first("forge_lm_hf_import", hf_config=hf_config, state=hf_state)
-    if converted is not None:
-        return _checked_conversion(converted, "forge_lm_hf_import", "([model] table, Forge state dict)")
     try:
-        fields = model_section_fields(hf_config)
-    except (KeyError, TypeError, ValueError) as exc:
+        converted = manager.call_first("forge_lm_hf_import", hf_config=hf_config, state=hf_state)
+    except PluginHookFailed:
+        raise
+    except ForgeError as exc:
+        # A converter sees the contents of the directory, not where it is: name it here.
+        raise ForgeError(f"'{hf_dir}': {exc}") from None
+    if converted is None:
         raise ForgeError(
-            f"'{hf_dir}/{CONFIG_FILE}' does not describe a Llama model Forge can import: {type(exc).__name__}: {exc}"
-        ) from None
-    if "lm_head.weight" not in hf_state:
-        fields["tie_embeddings"] = True
-    ffn = fields.pop("ffn")
-    from forge_lm.config import to_data
-
-    return {**fields, "ffn": {"name": ffn.name, **to_data(ffn.options)}}, from_hf_state_dict(hf_state)
+            f"'{Path(hf_dir) / CONFIG_FILE}' has model_type {hf_config.get('model_type')!r}, which no installed "
+            f"plugin imports (asked: {_askers(manager, 'forge_lm_hf_import')}). Install the plugin that converts "
+            "that model type; forge list-plugins shows what is installed."
+        )
+    return _checked_conversion(converted, "forge_lm_hf_import", "([model] table, Forge state dict)")
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -353,14 +483,14 @@ def export_hf(
     """Write ``model`` as a Hugging Face Llama model: ``out_dir/config.json`` and ``model.safetensors``.
 
     Loadable with ``transformers.LlamaForCausalLM.from_pretrained(out_dir)``. A tied head is
-    stored once (as the embedding), as Hugging Face does. Returns ``out_dir``.
+    stored once (as the embedding), as Hugging Face does. Returns ``out_dir``. Refuses a model
+    without a Llama equivalent, naming each setting in the way.
     """
-    check_llama_compatible(config)
-    hf_config = hf_config_dict(config, model.vocab_size, swiglu_hidden_of(model), bos_id=bos_id, eos_id=eos_id)
-    state = to_hf_state_dict(model)
-    if config.tie_embeddings:
-        del state["lm_head.weight"]  # safetensors refuses shared tensors; HF re-ties on load
-    return write_hf(out_dir, hf_config, state)
+    check_llama_compatible(config)  # names the [model] settings, before any layer is looked at
+    converted = llama_export(model, config, bos_id=bos_id, eos_id=eos_id)
+    if converted is None:
+        swiglu_hidden_of(model)  # raises, naming the first block whose feed-forward is not SwiGLU
+    return write_hf(out_dir, *converted)
 
 
 def load_hf(hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -47,6 +47,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "core.tokenizers": "forge_lm.default_plugins.tokenizers",
     "core.feed_forwards": "forge_lm.default_plugins.feed_forwards",
     "core.transforms": "forge_lm.default_plugins.transforms",
+    "core.hf_llama": "forge_lm.default_plugins.hf_llama",
 }
 
 
@@ -299,8 +300,9 @@ class PluginManager:
 
     def call_first(self, hook: str, **kwargs: Any) -> Any:
         """The first result that is not None of a ``firstresult`` hook (``forge_lm_hf_export``,
-        ``forge_lm_hf_import``), or None; raises :class:`PluginHookFailed` like :meth:`call`."""
-        results = self._call_each(hook, lambda _: kwargs, first=True)
+        ``forge_lm_hf_import``), or None; raises :class:`PluginHookFailed` like :meth:`call`,
+        except for a :class:`ForgeError`: a converter's refusal of a model it claims, for the user."""
+        results = self._call_each(hook, lambda _: kwargs, first=True, passes=(ForgeError,))
         return results[0][1] if results else None
 
     def call_quietly(self, hook: str, **kwargs: Any) -> None:

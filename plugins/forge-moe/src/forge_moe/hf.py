@@ -10,6 +10,10 @@ Weights are written in Mixtral's on-disk layout, which every transformers releas
 the fused in-memory layout of transformers 5 (``mlp.experts.gate_up_proj`` / ``down_proj``).
 The balance loss coefficient maps as ``router_aux_loss_coef = balance_loss_weight / top_k``:
 Mixtral's loss sums ``f_i`` over the ``top_k`` choices, Forge's averages them.
+
+Everything outside the feed-forward (embeddings, attention, norms, head) is renamed by the
+core's :func:`forge_lm.model.hf.rename_to_hf` / :func:`~forge_lm.model.hf.rename_from_hf`, as
+for Llama; this module maps only the router and the experts.
 """
 
 from __future__ import annotations
@@ -21,29 +25,14 @@ import torch
 from torch import nn
 
 from forge_lm.errors import ForgeError
-from forge_lm.model.hf import decoder_config_fields, swiglu_options_for
+from forge_lm.model.hf import decoder_config_fields, rename_from_hf, rename_to_hf, swiglu_options_for
 from forge_moe.layer import MoELayer
 from forge_moe.routers import SoftmaxTopKRouter
 
-_GLOBAL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.router.weight": "block_sparse_moe.gate.weight",
-}
+_ROUTER = ("feed_forward.router.weight", "block_sparse_moe.gate.weight")  # (Forge, Mixtral) inside a block
 _EXPERT_WEIGHTS = ("w1", "w2", "w3")  # the same names in Forge's stacked tensors and Mixtral's experts
-_FORGE_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_FORGE_EXPERTS = re.compile(r"feed_forward\.experts\.(w[123])")
 _HF_EXPERT = re.compile(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w[123])\.weight")
-_HF_IGNORED = re.compile(r"(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 
 
 # -- export -------------------------------------------------------------------------------------
@@ -94,24 +83,7 @@ def to_mixtral(model: nn.Module, config: Any) -> tuple[dict[str, Any], dict[str,
         "bos_token_id": None,
         "eos_token_id": None,
     }
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name in _GLOBAL:
-            state[_GLOBAL[name]] = tensor
-            continue
-        match = _FORGE_LAYER.fullmatch(name)
-        if match is None:
-            raise ForgeError(f"parameter '{name}' has no Mixtral counterpart.")
-        index, rest = match.groups()
-        prefix = f"model.layers.{index}"
-        if rest in _LAYER:
-            state[f"{prefix}.{_LAYER[rest]}"] = tensor
-        elif rest.removeprefix("feed_forward.experts.") in _EXPERT_WEIGHTS:
-            kind = rest.rpartition(".")[2]
-            for e in range(n_experts):
-                state[f"{prefix}.block_sparse_moe.experts.{e}.{kind}.weight"] = tensor[e]
-        else:
-            raise ForgeError(f"parameter '{name}' has no Mixtral counterpart.")
+    state = rename_to_hf(model.state_dict(), _moe_to_mixtral, architecture="MixtralForCausalLM")
     if config.tie_embeddings:
         del state["lm_head.weight"]  # safetensors refuses shared tensors; transformers re-ties on load
     return hf_config, state
@@ -176,42 +148,40 @@ def model_table(hf_config: dict[str, Any], tied: bool) -> dict[str, Any]:
     }
 
 
+def _moe_to_mixtral(index: int, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The router, and each expert's slice of Forge's stacked expert tensors, under Mixtral's names."""
+    if name == _ROUTER[0]:
+        return {_ROUTER[1]: tensor}
+    expert = _FORGE_EXPERTS.fullmatch(name)
+    if expert is None:
+        return None
+    kind = expert.group(1)
+    return {f"block_sparse_moe.experts.{e}.{kind}.weight": tensor[e] for e in range(tensor.shape[0])}
+
+
 def from_mixtral_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
     """A Mixtral state dict (on-disk per-expert layout or transformers 5's fused layout) under Forge's names."""
-    forge_global = {hf: forge for forge, hf in _GLOBAL.items()}
-    forge_layer = {hf: forge for forge, hf in _LAYER.items()}
-    forge_layer["mlp.gate.weight"] = "feed_forward.router.weight"
-    out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    for name, tensor in state.items():
-        if _HF_IGNORED.fullmatch(name):
-            continue
-        if name in forge_global:
-            out[forge_global[name]] = tensor
-            continue
-        match = _HF_LAYER.fullmatch(name)
-        if match is None:
-            raise ForgeError(f"weight '{name}' is not part of a MixtralForCausalLM that Forge can import.")
-        index, rest = int(match.group(1)), match.group(2)
-        prefix = f"layers.{index}.feed_forward.experts"
-        expert = _HF_EXPERT.fullmatch(rest)
-        if rest in forge_layer:
-            out[f"layers.{index}.{forge_layer[rest]}"] = tensor
-        elif expert is not None:
+
+    def moe_from_mixtral(index: int, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if name in (_ROUTER[1], "mlp.gate.weight"):
+            return {_ROUTER[0]: tensor}
+        expert = _HF_EXPERT.fullmatch(name)
+        if expert is not None:  # one expert's matrix: kept until all are there, then stacked below
             experts.setdefault((index, expert.group(2)), {})[int(expert.group(1))] = tensor
-        elif rest == "mlp.experts.gate_up_proj":
-            out[f"{prefix}.w1"], out[f"{prefix}.w3"] = tensor.chunk(2, dim=1)
-        elif rest == "mlp.experts.down_proj":
-            out[f"{prefix}.w2"] = tensor
-        else:
-            raise ForgeError(f"weight '{name}' is not part of a MixtralForCausalLM that Forge can import.")
+            return {}
+        if name == "mlp.experts.gate_up_proj":
+            gate, up = tensor.chunk(2, dim=1)
+            return {"feed_forward.experts.w1": gate, "feed_forward.experts.w3": up}
+        if name == "mlp.experts.down_proj":
+            return {"feed_forward.experts.w2": tensor}
+        return None
+
+    out = rename_from_hf(state, moe_from_mixtral, architecture="MixtralForCausalLM")
     for (index, kind), by_expert in experts.items():
         if sorted(by_expert) != list(range(len(by_expert))):
             raise ForgeError(f"layer {index}'s experts are not numbered 0..{len(by_expert) - 1}: {sorted(by_expert)}")
         out[f"layers.{index}.feed_forward.experts.{kind}"] = torch.stack([by_expert[e] for e in sorted(by_expert)])
-    if "tok_embeddings.weight" not in out:
-        raise ForgeError("the checkpoint has no model.embed_tokens.weight; it is not a complete MixtralForCausalLM.")
-    out.setdefault("output.weight", out["tok_embeddings.weight"])
     missing = [
         f"layers.{i}.feed_forward.experts.{kind}"
         for i in range(n_layers)
