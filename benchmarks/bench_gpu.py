@@ -1,4 +1,4 @@
-"""GPU training throughput and MFU: a ~1B dense model and an MoE model on one GPU, Forge against a plain loop.
+"""GPU training throughput, MFU and peak memory of a ~1B dense and an MoE model: Forge against plain PyTorch.
 
 The models (``[model]`` overrides of the default config; data ``python_stdlib``, byte tokens,
 in a 32768-id vocabulary so the embedding and head are of a realistic size):
@@ -7,46 +7,70 @@ in a 32768-id vocabulary so the embedding and head are of a realistic size):
   parameters; seq 2048, batch 8 (16384 tokens per step), bf16 autocast, AdamW.
 - MoE (needs the forge-moe plugin; skipped with a message when it is not installed): the same
   with ``[model.ffn] name = "moe"``, 8 experts, top-2, ``expert_multiplier = 0.5``, so a token
-  passes through as many feed-forward parameters as in the dense model (about 2.5 B in all).
+  passes through as many feed-forward parameters as in the dense model (about 2.5 B in all),
+  experts run by ``torch._grouped_mm`` (``expert_kernel = "grouped_mm"``).
 
-For each model, Forge's training step (built and stepped as in ``bench_train.py``: the
-registry's components, ``_train_step``, optimizer and scheduler steps, hooks, metrics) and a
-plain PyTorch loop over a copy of the same model (``torch.optim.AdamW``, ``F.cross_entropy``,
-same batches as plain tensors, same precision; for MoE the routers' auxiliary losses are only
-collected by Forge) alternate block by block after warm-up; for the dense model a third row
-runs the plain loop without the per-document attention mask (plain causal attention, which
-lets SDPA use its flash kernel), the mask's cost. Medians of tokens/s are reported,
-with the ratio and MFU against Forge's table peak of the GPU (``forge_lm.metrics.mfu``) and
-against the ``torch.mm`` bf16 rate measured here. ``--compile`` adds ``train.compile = true``
-rows (minutes of compilation).
+The sides of each model, each built, measured and freed in turn (never two resident: with
+``--compile`` the MoE model's three sides and their AdamW states would need about 155 GB):
 
-Needs CUDA: without it the script refuses (exit 2) and records nothing. ``--smoke-cpu`` runs
-the same code with tiny models on the CPU to check the script itself; it never records.
+- ``forge``: Forge's training step, built and stepped as in ``bench_train.py`` (the registry's
+  components, ``_train_step``, optimizer and scheduler steps, hooks, metrics);
+- ``plain``: a hand-written loop (:class:`PlainLoop`: ``torch.optim.AdamW``, ``F.cross_entropy``,
+  ``clip_grad_norm_``) over the same model built from the same seed (so the same initial
+  weights) and the same first batches as plain tensors. For the MoE model its MoE layers are
+  replaced by :class:`PlainMoE`, a top-k router and ``torch._grouped_mm`` experts written here in
+  plain PyTorch over the same weights (no auxiliary loss, no statistics);
+- ``plain causal`` (dense only): the plain loop without the per-document attention mask (plain
+  causal attention, which lets SDPA use its flash kernel): the mask's cost;
+- ``forge compile`` (with ``--compile``): Forge's step with ``train.compile = true`` (the
+  warm-up round compiles: a minute or two per model).
 
-Run:  .venv/bin/python benchmarks/bench_gpu.py [--rounds 5 --steps 10] [--no-moe] [--compile]
+Each side runs ``--warmup`` then ``--rounds`` blocks of ``--steps`` steps; its figure is the
+median tokens/s, with the ratio to ``plain``, MFU (``forge_lm.model.flops`` FLOPs per token times
+tokens/s) over the GPU's dense bf16 peak in Forge's table (``forge_lm.metrics.mfu.GPU_PEAKS``)
+and over the ``torch.mm`` bf16 rate measured here, its peak memory
+(``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` before its build) and its
+first step's loss (``forge`` and ``plain`` start from the same weights and batch: equal losses
+mean the same work). A side that fails is recorded with its error and the others still run.
+
+``--output DIR`` writes ``DIR/gpu.json`` (the record ``results/gpu.json`` holds) and ``DIR/gpu.md``
+(its table), rewritten after every side so that a session cut short keeps what it measured.
+Needs CUDA: without it the script refuses (exit 2). ``--smoke`` runs the same code with tiny
+models on the CPU in seconds (bf16 autocast, grouped GEMM experts, MFU against the table's
+H200 entry) to check the script; it never writes ``results/``.
+
+Run:  .venv/bin/python benchmarks/bench_gpu.py --output DIR [--rounds 5 --steps 10] [--no-moe] [--compile]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import functools
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from _record import alternate, median, save
-from bench_train import ForgeSide, PlainSide
+import torch.nn.functional as F
+from _gpu_common import SideResult, make_record, matmul_peak, measure_in_turn, publish, refuse_without_cuda
+from bench_train import ForgeSide
+from torch import nn
 
+from forge_lm.config import load_config
+from forge_lm.data.loader import BatchLoader
 from forge_lm.errors import ConfigError
-from forge_lm.metrics.mfu import gpu_peak_flops
-from forge_lm.model.flops import active_parameter_count
-from forge_lm.plugins import PluginSettings
+from forge_lm.metrics.mfu import gpu_peak_with_source
+from forge_lm.model import build_model
+from forge_lm.model.flops import active_parameter_count, flops_per_token
+from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.train import loop
+from forge_lm.train.components import build, build_dataset
 
 DENSE = [
     "--model.dim=2048",
@@ -58,8 +82,14 @@ DENSE = [
     "--train.batch_size=8",
     "--train.precision=bf16",
 ]
-MOE = ["--model.ffn.name=moe", "--model.ffn.n_experts=8", "--model.ffn.top_k=2", "--model.ffn.expert_multiplier=0.5"]
-SMOKE = [  # --smoke-cpu: the same code path, tiny
+MOE = [
+    "--model.ffn.name=moe",
+    "--model.ffn.n_experts=8",
+    "--model.ffn.top_k=2",
+    "--model.ffn.expert_multiplier=0.5",
+    "--model.ffn.expert_kernel=grouped_mm",
+]
+SMOKE = [  # --smoke: the same code paths (bf16 autocast, grouped GEMM experts), tiny
     "--model.dim=64",
     "--model.n_layers=2",
     "--model.n_heads=2",
@@ -67,203 +97,389 @@ SMOKE = [  # --smoke-cpu: the same code path, tiny
     "--model.vocab_size=512",
     "--train.seq_len=64",
     "--train.batch_size=2",
-    "--train.precision=fp32",
+    "--train.precision=bf16",
 ]
+SMOKE_GPU = "NVIDIA H200"  # a CPU has no entry in the peak table: a smoke run computes MFU against this one's
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, size: int, iterations: int) -> float:
-    """FLOP/s of ``torch.mm`` of two ``size`` x ``size`` matrices, best of 3 timings of ``iterations``."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    for _ in range(3):
-        torch.mm(a, b)
-    best = float("inf")
-    for _ in range(3):
-        _synchronize(device)
-        start = time.perf_counter()
-        for _ in range(iterations):
-            torch.mm(a, b)
-        _synchronize(device)
-        best = min(best, (time.perf_counter() - start) / iterations)
-    return 2 * size**3 / best
+# --------------------------------------------------------------------------------------
+# The baseline: plain PyTorch
+# --------------------------------------------------------------------------------------
 
 
-def _synchronize(device: torch.device) -> None:
+class PlainMoE(nn.Module):
+    """A mixture of SwiGLU experts in plain PyTorch, over the weights of a forge-moe layer.
+
+    Softmax over the experts in fp32, the top ``top_k``, weights renormalised over them
+    (Mixtral); the (token, expert) pairs sorted by expert; each expert's SwiGLU on its rows,
+    by ``torch._grouped_mm`` (``kernel="grouped_mm"``) or one matmul per expert (``"loop"``);
+    each token's outputs summed with its weights. Weights: ``router`` ``[E, dim]``, ``w1``/``w3``
+    ``[E, hidden, dim]``, ``w2`` ``[E, dim, hidden]`` (``nn.Linear``'s layout per expert).
+    """
+
+    def __init__(self, router: nn.Parameter, w1: nn.Parameter, w3: nn.Parameter, w2: nn.Parameter, top_k: int,
+                 kernel: str = "grouped_mm") -> None:  # fmt: skip
+        super().__init__()
+        if kernel not in ("grouped_mm", "loop"):
+            raise ValueError(f"PlainMoE kernel must be 'grouped_mm' or 'loop', got {kernel!r}")
+        self.router, self.w1, self.w3, self.w2 = router, w1, w3, w2
+        self.top_k, self.kernel = top_k, kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        flat = x.reshape(-1, dim)  # [T, dim]
+        with torch.autocast(x.device.type, enabled=False):  # routing in fp32, as forge-moe's router
+            probs = F.linear(flat.float(), self.router.float()).softmax(dim=-1)  # [T, E]
+        top, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
+        weights = top / top.sum(dim=-1, keepdim=True)
+        order = experts.reshape(-1).argsort(stable=True)  # the T*k pairs, grouped by expert
+        tokens = order // self.top_k
+        counts = torch.bincount(experts.reshape(-1), minlength=self.w1.shape[0])
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        rows = flat[tokens].to(dtype)
+        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        with torch.autocast(x.device.type, enabled=False):  # torch._grouped_mm is not on autocast's lists
+            if self.kernel == "grouped_mm":
+                offsets = counts.cumsum(0).to(torch.int32)
+                hidden = F.silu(torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offsets))
+                hidden = hidden * torch._grouped_mm(rows, w3.transpose(-2, -1), offs=offsets)
+                y = torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
+            else:
+                parts = [
+                    F.linear(F.silu(F.linear(r, w1[e])) * F.linear(r, w3[e]), w2[e])
+                    for e, r in enumerate(rows.split(counts.tolist()))
+                ]
+                y = torch.cat(parts)
+        y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        out = y.new_zeros(flat.shape).index_add(0, tokens, y)
+        return out.view(batch, seq, dim)
+
+
+def use_plain_moe(model: nn.Module, kernel: str = "grouped_mm") -> int:
+    """Replace every forge-moe MoE layer of ``model`` by a :class:`PlainMoE` over its weights; how many."""
+    from forge_moe.layer import MoELayer
+    from forge_moe.routers import SoftmaxTopKRouter
+
+    layers = [(name, module) for name, module in model.named_modules() if isinstance(module, MoELayer)]
+    for name, layer in layers:
+        router = layer.router
+        if not isinstance(router, SoftmaxTopKRouter) or not router.renormalize:
+            raise ValueError(f"{name}: PlainMoE implements the renormalised softmax_topk router only")
+        if layer.shared is not None or layer.capacity_factor is not None:
+            raise ValueError(f"{name}: PlainMoE has no shared experts and no capacity limit; leave both unset")
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        experts = layer.experts
+        plain = PlainMoE(router.weight, experts.w1, experts.w3, experts.w2, layer.top_k, kernel)
+        setattr(parent, attribute, plain)
+    return len(layers)
+
+
+class PlainLoop:
+    """A hand-written training loop over the model a config describes.
+
+    The model is built from the config's seed, so it starts from Forge's initial weights
+    (``forge_lm.model.init``: each value depends on the seed and the parameter's name); the
+    batches are the first ones Forge's loader hands out, stacked once as plain tensors.
+    ``torch.optim.AdamW`` with the config's hyper-parameters and decay groups, ``F.cross_entropy``,
+    ``clip_grad_norm_``, the config's precision. ``document_mask=False``: plain causal attention.
+    ``plain_moe``: the MoE layers replaced by :class:`PlainMoE` over the same weights.
+    """
+
+    def __init__(
+        self,
+        overrides: list[str],
+        workdir: Path,
+        settings: PluginSettings,
+        *,
+        document_mask: bool = True,
+        plain_moe: bool = False,
+        n_batches: int = 8,
+    ) -> None:
+        registry = PluginManager(settings).registry
+        config = load_config(None, [*overrides, f"--train.output_dir={workdir}"], registry)
+        if config.train.precision not in ("bf16", "fp32") or config.train.grad_accum_steps != 1:
+            raise ValueError("PlainLoop runs precision bf16 or fp32 with grad_accum_steps = 1")
+        self.device = torch.device(config.train.device)
+        self.dtype = torch.bfloat16 if config.train.precision == "bf16" else None
+        tokenizer = build(registry, "tokenizers", config.tokenizer)
+        vocab_size = loop._vocab_size(config, tokenizer)
+        loader = iter(
+            BatchLoader(build_dataset(config, registry, tokenizer, vocab_size, "train"), config.train.batch_size)
+        )
+        batches = [{k: v.to(self.device) for k, v in next(loader).items()} for _ in range(n_batches)]
+        self.inputs = [b["input_ids"] for b in batches]
+        self.labels = [b["labels"] for b in batches]
+        self.documents = [b.get("document_ids") if document_mask else None for b in batches]
+        self.model = build_model(config.model, vocab_size, registry, seed=config.train.seed, device=self.device)
+        if plain_moe and not use_plain_moe(self.model):
+            raise ValueError("plain_moe: the model has no forge-moe MoE layer")
+        options = config.optimizer.options
+        named = list(self.model.named_parameters())  # a tied head is listed once, as the embedding
+        decayed = {n for n, p in named if p.ndim >= 2 and not n.startswith("tok_embeddings.")}
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for n, p in named if n in decayed], "weight_decay": options.weight_decay},
+                {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0},
+            ],
+            lr=options.lr, betas=tuple(options.betas), eps=options.eps,
+        )  # fmt: skip
+        self.grad_clip = config.train.grad_clip or float("inf")  # 0: no clipping, the norm still computed
+        self.tokens_per_step = config.train.batch_size * config.train.seq_len
+        self.index = 0
+        self.first: tuple[float, float] | None = None
+
+    def run(self, steps: int) -> float:
+        """Tokens/s of ``steps`` steps."""
+        start = _now(self.device)
+        for _ in range(steps):
+            i = self.index % len(self.inputs)
+            self.index += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+                logits = self.model(self.inputs[i], self.documents[i])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), self.labels[i].flatten())
+            loss.backward()
+            norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            if self.first is None:
+                self.first = (loss.item(), norm.item())
+        return self.tokens_per_step * steps / (_now(self.device) - start)
+
+
+def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
-def run_model(
-    label: str,
-    overrides: list[str],
-    args: argparse.Namespace,
-    settings: PluginSettings,
-    workdir: Path,
-    causal_row: bool = False,
+# --------------------------------------------------------------------------------------
+# The sides of one model
+# --------------------------------------------------------------------------------------
+
+
+def model_info(overrides: list[str], settings: PluginSettings) -> dict[str, Any]:
+    """Parameters, active parameters, FLOPs per token and tokens per step of the model of
+    ``overrides``, from a build on the meta device (no memory, no side needed)."""
+    registry = PluginManager(settings).registry
+    config = load_config(None, overrides, registry)
+    vocab_size = loop._vocab_size(config, build(registry, "tokenizers", config.tokenizer))
+    model = build_model(config.model, vocab_size, registry, device="meta")
+    active = active_parameter_count(model)
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "active": active,
+        "flops_per_token": flops_per_token(config.model, active, config.train.seq_len),
+        "tokens_per_step": config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps,
+    }
+
+
+def side_builders(
+    tag: str, overrides: list[str], settings: PluginSettings, workdir: Path, *, moe: bool, compile_side: bool
+) -> dict[str, Callable[[], Any]]:
+    """The sides of one model, as builders for :func:`_gpu_common.measure_in_turn`."""
+
+    def forge(name: str, extra: list[str]) -> Callable[[], Any]:
+        def build_side() -> ForgeSide:
+            side = ForgeSide([*overrides, *extra], workdir / name, settings, "default")
+            side.initial_model = None  # ForgeSide's copy for bench_train's plain loop; PlainLoop builds its own
+            return side
+
+        return build_side
+
+    builders: dict[str, Callable[[], Any]] = {
+        "forge": forge(f"{tag}-forge", []),
+        "plain": lambda: PlainLoop(overrides, workdir / f"{tag}-plain", settings, plain_moe=moe),
+    }
+    if not moe:  # what the per-document attention mask costs (another semantics: attends across documents)
+        builders["plain causal"] = lambda: PlainLoop(
+            overrides, workdir / f"{tag}-causal", settings, document_mask=False
+        )
+    if compile_side:
+        builders["forge compile"] = forge(f"{tag}-compile", ["--train.compile=true"])
+    return builders
+
+
+def rows_for(
+    label: str, info: dict[str, Any], results: dict[str, SideResult], peaks: dict[str, float]
 ) -> list[dict[str, Any]]:
-    """Forge and the plain loop (and Forge compiled with --compile, the plain loop without the
-    document mask with ``causal_row``) on one model, alternating."""
-    device = torch.device("cpu" if args.smoke_cpu else "cuda")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    base = [f"--train.device={device.type}", *overrides]
-    forge = ForgeSide(base, workdir / label, settings, "default")
-    batches = forge.fresh_batches(8)
-    plain = PlainSide(forge, batches)
-    variants = {"forge": lambda: forge.run(args.steps), "plain": lambda: plain.run(args.steps)}
-    if causal_row:  # what the per-document attention mask costs (another semantics: attends across documents)
-        causal = PlainSide(forge, batches, document_mask=False)
-        variants["plain causal only"] = lambda: causal.run(args.steps)
-    compiled = None
-    if args.compile:
-        compiled = ForgeSide([*base, "--train.compile=true"], workdir / f"{label}-compile", settings, "default")
-        compiled.initial_model = None
-        variants["forge compile"] = lambda: compiled.run(args.steps)
-    forge.initial_model = None  # the plain loop has its copy
-    total = sum(p.numel() for p in forge.model.parameters())
-    active = active_parameter_count(forge.model)
-    print(
-        f"{label}: {total / 1e6:.2f} M parameters ({active / 1e6:.2f} M active per token), "
-        f"{forge.tokens_per_step} tokens per step, {forge.step_flops / 1e9:.2f} GFLOP per token",
-        flush=True,
-    )
-    started = time.perf_counter()
-
-    def progress(index: int) -> None:
-        elapsed = time.perf_counter() - started
-        print(f"  round {index + 1}/{args.warmup + args.rounds} done, {elapsed:.0f} s", flush=True)
-
-    samples = alternate(variants, args.rounds, args.warmup, progress)
-    memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    forge.close()
-    if compiled is not None:
-        compiled.close()
-    medians = {name: median(values) for name, values in samples.items()}
+    plain = results.get("plain")
+    plain_rate = plain.tokens_per_s if plain else None
     rows = []
-    for name, value in medians.items():
-        rows.append(
-            {
-                "model": label,
-                "loop": name,
-                "tokens_per_s": value,
-                "x_plain": value / medians["plain"],
-                "mfu_table_peak": forge.step_flops * value / forge.peak,
-                "mfu_measured_peak": forge.step_flops * value / args.measured_peak,
-                "params_b": total / 1e9,
-                "active_params_b": active / 1e9,
-                "tokens_per_step": forge.tokens_per_step,
-                "peak_memory_gib": memory,
-            }
-        )
-        print(
-            f"  {name:18s} {value:10.0f} tok/s  x{value / medians['plain']:.3f} of plain  "
-            f"MFU {100 * rows[-1]['mfu_table_peak']:.1f}% of table peak, "
-            f"{100 * rows[-1]['mfu_measured_peak']:.1f}% of measured",
-            flush=True,
-        )
+    for name, result in results.items():
+        rate = result.tokens_per_s
+        row: dict[str, Any] = {
+            "model": label,
+            "side": name,
+            "tokens_per_s": rate,
+            "x_plain": rate / plain_rate if rate and plain_rate else None,
+            "mfu_table_peak": info["flops_per_token"] * rate / peaks["table"] if rate else None,
+            "mfu_measured_peak": info["flops_per_token"] * rate / peaks["measured"] if rate else None,
+            "peak_memory_gib": result.peak_memory_gib,
+            "first_step_loss": result.first_step_loss,
+            "build_s": result.build_s,
+            "params_b": info["params"] / 1e9,
+            "active_params_b": info["active"] / 1e9,
+            "tokens_per_step": info["tokens_per_step"],
+        }
+        if result.error:
+            row["error"] = result.error
+        rows.append(row)
     return rows
 
 
-def main() -> int:
+# --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per block")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per side")
+    parser.add_argument("--warmup", type=int, default=1, help="rounds before the timed ones (compilation happens here)")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per round")
     parser.add_argument("--no-moe", action="store_true", help="only the dense model")
-    parser.add_argument("--compile", action="store_true", help="add train.compile = true rows")
-    parser.add_argument("--smoke-cpu", action="store_true", help="tiny models on the CPU: checks the script, no record")
-    parser.add_argument("--no-save", action="store_true", help="print only; do not write results/gpu.json")
-    args = parser.parse_args()
-    if not args.smoke_cpu and not torch.cuda.is_available():
-        print(
-            "bench_gpu.py: CUDA is not available (torch "
-            f"{torch.__version__}); this benchmark needs one NVIDIA GPU and records nothing without it. "
-            "Run it on a GPU machine, or use --smoke-cpu to check the script on the CPU.",
-            file=sys.stderr,
-        )
-        return 2
-    if args.smoke_cpu:
+    parser.add_argument("--compile", action="store_true", help="add a train.compile = true side per model")
+    parser.add_argument("--output", type=Path, metavar="DIR", help="write gpu.json and gpu.md here (after every side)")
+    parser.add_argument(
+        "--smoke", "--smoke-cpu", action="store_true", help="tiny models on the CPU: checks the script in seconds"
+    )
+    parser.add_argument("--no-save", action="store_true", help="do not write results/gpu.json (--output still is)")
+    args = parser.parse_args(argv)
+    if not args.smoke and (refused := refuse_without_cuda("bench_gpu.py", "one NVIDIA GPU")) is not None:
+        return refused
+    if args.smoke:
         args.rounds, args.warmup, args.steps = min(args.rounds, 2), 0, 2
-    device = torch.device("cpu" if args.smoke_cpu else "cuda")
+    device = torch.device("cpu" if args.smoke else "cuda")
+
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        print(f"GPU: {name}; measuring torch.mm bf16 ...", flush=True)
-        peaks = {size: matmul_peak(device, torch.bfloat16, size, 20) for size in (4096, 8192)}
+        gpu = torch.cuda.get_device_name(device)
+        print(f"GPU: {gpu}; measuring torch.mm bf16 ...", flush=True)
+        mm = {size: matmul_peak(device, torch.bfloat16, size, 20) for size in (4096, 8192)}
     else:
-        name = "CPU (smoke run)"
-        peaks = {size: matmul_peak(device, torch.float32, size, 2) for size in (256, 512)}
-    args.measured_peak = max(peaks.values())
-    for size, value in peaks.items():
-        print(f"  {size:5d}: {value / 1e12:8.2f} TFLOP/s", flush=True)
+        gpu = SMOKE_GPU
+        mm = {size: matmul_peak(device, torch.bfloat16, size, 2) for size in (128, 256)}
+    for size, value in mm.items():
+        print(f"  {size:5d}: {value / 1e12:8.3f} TFLOP/s", flush=True)
+    peaks = {"measured": max(mm.values())}
+    try:
+        peaks["table"], peak_source = gpu_peak_with_source(gpu, "bf16")
+    except ConfigError:  # not in Forge's table: MFU against the measured rate instead
+        peaks["table"], peak_source = peaks["measured"], f"{gpu} is not in Forge's table: the measured torch.mm rate"
+    print(f"peak for MFU: {peaks['table'] / 1e12:.1f} TFLOP/s ({peak_source})", flush=True)
 
     settings = PluginSettings.from_env()
-    dense = SMOKE if args.smoke_cpu else DENSE
-    peak_note = ""
-    if device.type == "cuda":
-        try:
-            gpu_peak_flops(name, "bf16")
-        except ConfigError:  # not in Forge's table: MFU against the measured rate instead
-            dense = [*dense, f"--metrics.peak_flops={args.measured_peak}"]
-            peak_note = f" {name} is not in Forge's table of peaks: `mfu_table_peak` uses the measured rate."
-    models = {"dense (smoke)" if args.smoke_cpu else "dense ~0.9B": dense}
-    notes_moe = ""
+    # Forge's own MFU metric uses the same peak (and a smoke run does not measure the CPU's).
+    dense = [
+        f"--train.device={device.type}",
+        *(SMOKE if args.smoke else DENSE),
+        f"--metrics.peak_flops={peaks['table']}",
+    ]
+    models = {"dense (smoke)" if args.smoke else "dense ~0.9B": dense}
+    left_out = ""
     if args.no_moe:
-        notes_moe = " MoE left out (--no-moe)."
+        left_out = " MoE left out (--no-moe)."
     elif importlib.util.find_spec("forge_moe") is None:
-        notes_moe = " MoE skipped: the forge-moe plugin is not installed (pip install forge-moe)."
+        left_out = " MoE skipped: the forge-moe plugin is not installed (pip install forge-moe)."
         print("skipping the MoE model: the forge-moe plugin is not installed (pip install forge-moe)", flush=True)
     else:
-        models["MoE (smoke)" if args.smoke_cpu else "MoE 8 experts top-2"] = [*dense, *MOE]
+        models["MoE (smoke)" if args.smoke else "MoE 8 experts top-2"] = [*dense, *MOE]
 
+    command = ("python benchmarks/bench_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    notes = _notes(args, gpu, peak_source, peaks) + left_out
+    tables = {"torch.mm bf16": [{"size": s, "tflop_per_s": v / 1e12} for s, v in mm.items()]}
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="forge-bench-gpu-"))
     try:
-        rows = []
-        for label, overrides in models.items():
-            rows += run_model(label, overrides, args, settings, workdir, causal_row=label.startswith("dense"))
-            gc.collect()  # the model's sides are gone with run_model's frame: free their memory
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        for index, (label, overrides) in enumerate(models.items()):
+            info = model_info(overrides, settings)
+            print(
+                f"{label}: {info['params'] / 1e6:.2f} M parameters ({info['active'] / 1e6:.2f} M active per token), "
+                f"{info['tokens_per_step']} tokens per step, {info['flops_per_token'] / 1e9:.3f} GFLOP per token",
+                flush=True,
+            )
+            builders = side_builders(
+                f"m{index}", overrides, settings, workdir, moe=label.startswith("MoE"), compile_side=args.compile
+            )
+            # After every side, what is measured so far goes to --output: a session cut short keeps it.
+            so_far = make_record("gpu", command, list(rows), notes + " (partial)", tables=tables)
+            write = functools.partial(_write_partial, args.output, so_far, label, info, peaks)
+            results = measure_in_turn(
+                builders,
+                rounds=args.rounds,
+                warmup=args.warmup,
+                steps=args.steps,
+                device=device,
+                after_each=write if args.output is not None else None,
+            )
+            rows += rows_for(label, info, results, peaks)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    if args.smoke_cpu or args.no_save:
-        print("not recorded (" + ("--smoke-cpu" if args.smoke_cpu else "--no-save") + ")")
-        return 0
-    notes = (
-        f"One {name}. Overrides of the default config: dense `{' '.join(DENSE)}`; MoE adds `{' '.join(MOE)}`. "
-        f"Medians of {args.rounds} alternating rounds after {args.warmup} warm-up round(s) of {args.steps} steps "
-        "each. `x_plain`: tokens/s over the plain loop's on the same model. MFU: 6 N_active + 12 L d T FLOPs per "
-        "token (`forge_lm.model.flops`) times tokens/s, over the GPU's dense bf16 peak in Forge's table "
-        f"(`mfu_table_peak`) or over the best measured torch.mm bf16 rate, {args.measured_peak / 1e12:.0f} TFLOP/s "
-        "(`mfu_measured_peak`)." + peak_note + notes_moe
+    for row in rows:
+        rate = f"{row['tokens_per_s']:10.0f} tok/s" if row["tokens_per_s"] else "    failed     "
+        ratio = f"x{row['x_plain']:.3f} of plain" if row["x_plain"] else ""
+        mfu = f"MFU {100 * row['mfu_table_peak']:.1f}% of table peak" if row["mfu_table_peak"] else ""
+        memory = f"{row['peak_memory_gib']:.1f} GiB peak" if row["peak_memory_gib"] is not None else ""
+        print(f"{row['model']:20s} {row['side']:14s} {rate}  {ratio:16s} {mfu:26s} {memory}", flush=True)
+    record = make_record("gpu", command, rows, notes, tables=tables, headline=_headline(rows, gpu))
+    save_results = not (args.smoke or args.no_save)
+    for path in publish(record, args.output, save_results=save_results):
+        print(f"wrote {path}")
+    print(f"measured in {time.perf_counter() - started:.0f} s")
+    if not save_results:
+        print("not recorded in results/ (" + ("--smoke" if args.smoke else "--no-save") + ")")
+    return 1 if any("error" in row for row in rows) else 0
+
+
+def _write_partial(
+    output: Path, record: dict[str, Any], label: str, info: dict[str, Any], peaks: dict[str, float],
+    results: dict[str, SideResult],
+) -> None:  # fmt: skip
+    """``record`` (the models measured before) with this model's sides so far, to ``output``."""
+    publish({**record, "rows": [*record["rows"], *rows_for(label, info, results, peaks)]}, output, save_results=False)
+
+
+def _notes(args: argparse.Namespace, gpu: str, peak_source: str, peaks: dict[str, float]) -> str:
+    if args.smoke:
+        where = (
+            f"Smoke run on the CPU, to check the script (numbers not quotable): tiny models `{' '.join(SMOKE)}`, "
+            f"MoE adds `{' '.join(MOE)}`; MFU against the {gpu} entry of Forge's table."
+        )
+    else:
+        where = f"One {gpu}. Overrides of the default config: dense `{' '.join(DENSE)}`; MoE adds `{' '.join(MOE)}`."
+    return (
+        f"{where} Each side built, measured and freed in turn: medians of {args.rounds} rounds after "
+        f"{args.warmup} warm-up round(s) of {args.steps} steps. `plain`: a hand-written loop on the same weights "
+        "and batches (for MoE, its MoE layers a plain top-k router and torch._grouped_mm experts); `x_plain`: "
+        "tokens/s over plain's. MFU: 6 N_active + 12 L d T FLOPs per token (`forge_lm.model.flops`) times "
+        f"tokens/s, over {peaks['table'] / 1e12:.0f} TFLOP/s ({peak_source}; `mfu_table_peak`) or the best "
+        f"measured torch.mm bf16 rate, {peaks['measured'] / 1e12:.3g} TFLOP/s (`mfu_measured_peak`). "
+        "`peak_memory_gib`: torch.cuda.max_memory_allocated from the side's build to its end (null on a CPU). "
+        "`first_step_loss`: equal for forge and plain when they did the same work."
     )
-    forge_dense = next(r for r in rows if r["loop"] == "forge" and r["model"].startswith("dense"))
-    headline = [
-        {
-            "measure": "Forge / plain loop, tokens/s, ~0.9B dense, bf16, one GPU",
-            "value": forge_dense["x_plain"],
-            "meaning": "1.0 = Forge costs nothing over a hand-written loop",
-        },
-        {
-            "measure": "MFU of Forge, ~0.9B dense, bf16 (of the GPU's table peak)",
-            "value": forge_dense["mfu_table_peak"],
-            "meaning": name,
-        },
-    ]
-    command = ("python benchmarks/bench_gpu.py " + " ".join(sys.argv[1:])).strip()
-    path = save(
-        "gpu",
-        command,
-        rows,
-        notes,
-        tables={"torch.mm bf16": [{"size": s, "tflop_per_s": v / 1e12} for s, v in peaks.items()]},
-        headline=headline,
-    )
-    print(f"wrote {path}")
-    return 0
+
+
+def _headline(rows: list[dict[str, Any]], gpu: str) -> list[dict[str, Any]]:
+    found = []
+    for model, what in (("dense", "~0.9B dense"), ("MoE", "MoE 8x top-2, ~0.9B active")):
+        forge = next((r for r in rows if r["model"].startswith(model) and r["side"] == "forge"), None)
+        if forge is None or forge["x_plain"] is None:
+            continue
+        found.append(
+            {
+                "measure": f"Forge / plain PyTorch, tokens/s, {what}, bf16, one GPU",
+                "value": forge["x_plain"],
+                "meaning": "1.0 = Forge costs nothing over a hand-written loop",
+            }
+        )
+        found.append(
+            {"measure": f"MFU of Forge, {what}, bf16 (of the GPU's table peak)", "value": forge["mfu_table_peak"],
+             "meaning": gpu}
+        )  # fmt: skip
+    return found
 
 
 if __name__ == "__main__":
-    # Two models with AdamW state take most of the GPU's memory in turn: let freed blocks be reused.
+    # One side at a time takes most of the GPU's memory: let the next reuse freed blocks.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     sys.exit(main())

@@ -1,0 +1,171 @@
+"""benchmarks/_gpu_common.py: sides measured one after another, each freed before the next is
+built, with its own peak memory; a failing side recorded without losing the others."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+
+import pytest
+import torch
+
+CPU = torch.device("cpu")
+
+
+class FakeSide:
+    """Returns 100, 200, 300, ... tokens/s from successive ``run`` calls; logs what happens to it."""
+
+    def __init__(self, name: str, log: list[str], fail_at_run: int | None = None) -> None:
+        self.name, self.log, self.fail_at_run, self.calls = name, log, fail_at_run, 0
+        self.first = (2.5, 1.0)
+        log.append(f"build {name}")
+
+    def run(self, steps: int) -> float:
+        self.calls += 1
+        self.log.append(f"run {self.name} {steps}")
+        if self.calls == self.fail_at_run:
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        return 100.0 * self.calls
+
+    def close(self) -> None:
+        self.log.append(f"close {self.name}")
+
+
+def test_each_side_is_built_run_and_closed_before_the_next_is_built(bench):
+    common = bench("_gpu_common")
+    log: list[str] = []
+
+    results = common.measure_in_turn(
+        {"a": lambda: FakeSide("a", log), "b": lambda: FakeSide("b", log)}, rounds=3, warmup=1, steps=7, device=CPU
+    )
+
+    assert log == ["build a", *["run a 7"] * 4, "close a", "build b", *["run b 7"] * 4, "close b"]
+    assert results["a"].samples == [200.0, 300.0, 400.0]  # the warm-up round's 100 left out
+    assert results["a"].tokens_per_s == 300.0
+    assert results["a"].first_step_loss == 2.5
+    assert results["a"].peak_memory_gib is None  # a CPU has no allocator statistics
+    assert results["a"].error is None
+
+
+def test_a_failing_side_is_recorded_and_the_others_still_run(bench, capsys):
+    common = bench("_gpu_common")
+    log: list[str] = []
+    seen: list[list[str]] = []
+
+    results = common.measure_in_turn(
+        {
+            "broken": lambda: FakeSide("broken", log, fail_at_run=2),
+            "fine": lambda: FakeSide("fine", log),
+        },
+        rounds=2,
+        warmup=0,
+        steps=1,
+        device=CPU,
+        after_each=lambda so_far: seen.append(list(so_far)),
+    )
+
+    assert results["broken"].error == "RuntimeError: CUDA out of memory (a stand-in)"
+    assert results["broken"].samples == [100.0]
+    assert results["fine"].samples == [100.0, 200.0]
+    assert seen == [["broken"], ["broken", "fine"]]  # partial results written after every side
+    assert "broken: failed: RuntimeError" in capsys.readouterr().err
+
+
+def test_sides_hold_no_memory_of_each_other(bench):
+    """A side's model, caught in a reference cycle as real models are, is gone before the next
+    side is built: the loop drops it and collects the cycle."""
+    common = bench("_gpu_common")
+    refs: list[weakref.ref] = []
+    alive_at_build: list[list[bool]] = []
+
+    def build() -> object:
+        alive_at_build.append([ref() is not None for ref in refs])
+        side = FakeSide("x", [])
+        side.model = torch.nn.Linear(4, 4)
+        side.model.owner = side  # a cycle: plain reference counting would not free it
+        refs.append(weakref.ref(side.model))
+        return side
+
+    gc.disable()  # only the loop's own collection may free the cycle
+    try:
+        common.measure_in_turn({"a": build, "b": build, "c": build}, rounds=1, warmup=0, steps=1, device=CPU)
+    finally:
+        gc.enable()
+
+    assert alive_at_build == [[], [False], [False, False]]
+    assert [ref() for ref in refs] == [None, None, None]
+
+
+class FakeAllocator:
+    """torch.cuda's peak statistics on a CPU machine: ``allocate``/``release`` move the current
+    figure, ``reset_peak_memory_stats`` sets the peak to it, as CUDA's caching allocator does."""
+
+    def __init__(self) -> None:
+        self.current = self.peak = 0
+        self.resets = 0
+
+    def allocate(self, gib: float) -> None:
+        self.current += int(gib * 2**30)
+        self.peak = max(self.peak, self.current)
+
+    def release(self, gib: float) -> None:
+        self.current -= int(gib * 2**30)
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.resets += 1
+        self.peak = self.current
+
+    def max_memory_allocated(self, device=None) -> int:
+        return self.peak
+
+
+def test_on_cuda_each_side_reports_its_own_peak_memory(bench, monkeypatch):
+    common = bench("_gpu_common")
+    allocator = FakeAllocator()
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", allocator.reset_peak_memory_stats)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", allocator.max_memory_allocated)
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(allocator.current))
+
+    class Side:
+        def __init__(self, weights: float, activations: float) -> None:
+            self.weights, self.activations = weights, activations
+            allocator.allocate(weights)
+
+        def run(self, steps: int) -> float:
+            allocator.allocate(self.activations)  # the step's activations, freed at its end
+            allocator.release(self.activations)
+            return 1.0
+
+        def close(self) -> None:
+            allocator.release(self.weights)
+
+    results = common.measure_in_turn(
+        {"big": lambda: Side(40, 60), "small": lambda: Side(4, 6)},
+        rounds=2,
+        warmup=1,
+        steps=1,
+        device=torch.device("cuda"),
+    )
+
+    assert results["big"].peak_memory_gib == pytest.approx(100)
+    assert results["small"].peak_memory_gib == pytest.approx(10)  # not big's 100: the peak was reset before it
+    assert allocator.resets == 2
+    assert emptied == [0, 0]  # the cache handed back after each side, nothing of it left
+
+
+def test_publish_writes_the_record_and_its_table_to_the_output_directory(bench, tmp_path):
+    common = bench("_gpu_common")
+    rows = [{"side": "forge", "tokens_per_s": 1234.5, "peak_memory_gib": None}]
+    record = common.make_record("gpu", "python benchmarks/bench_gpu.py", rows, "Some notes.")
+
+    written = common.publish(record, tmp_path / "out", save_results=False)
+
+    assert written == [tmp_path / "out" / "gpu.json", tmp_path / "out" / "gpu.md"]
+    assert json.loads(written[0].read_text()) == record
+    assert record.keys() >= {"benchmark", "command", "date", "machine", "notes", "rows"}  # what _record reads
+    table = written[1].read_text()
+    assert "Some notes." in table
+    assert "| side | tokens_per_s | peak_memory_gib |" in table
+    assert "| forge | 1234 | None |" in table  # _record's cell format: large numbers without decimals
