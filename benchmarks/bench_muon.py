@@ -34,8 +34,8 @@ from _record import save
 from forge_lm.config import ModelSection
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
+from forge_optim_muon.factory import assign_parameters
 from forge_optim_muon.optimizer import QUINTIC, Muon, newton_schulz
-from forge_optim_muon.roles import assign_parameters
 
 LR, MOMENTUM, WEIGHT_DECAY = 0.02, 0.95, 0.1
 

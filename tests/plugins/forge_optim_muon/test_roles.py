@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
+from forge_lm.components import parameter_roles
 from forge_lm.config import ModelSection, load_config
 from forge_lm.errors import ConfigError
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
-from forge_optim_muon.factory import build_muon
-from forge_optim_muon.roles import assign_parameters
+from forge_optim_muon.factory import assign_parameters, build_muon
 
 
 def _sides(assignments):
@@ -59,21 +59,53 @@ def test_router_modules_are_recognised_by_class_name_whatever_their_attribute_na
     assert _sides(assign_parameters(model))["1.weight"] == ("adamw", "router")
 
 
-def test_role_decides_not_layout_a_square_embedding_and_head_stay_on_adamw():
-    class SquareLM(nn.Module):  # vocabulary = width: every matrix has the same shape
-        def __init__(self) -> None:
-            super().__init__()
-            self.vocab_size = 16
-            self.embed = nn.Embedding(16, 16)
-            self.hidden = nn.Linear(16, 16, bias=False)
-            self.head = nn.Linear(16, 16, bias=False)
+class SquareLM(nn.Module):
+    """Vocabulary = width: every matrix has the same shape, and the last one projects onto the vocabulary."""
 
-    sides = _sides(assign_parameters(SquareLM()))
-    assert sides == {
+    def __init__(self, declares_head: bool) -> None:
+        super().__init__()
+        self.vocab_size = 16
+        self.declares_head = declares_head
+        self.embed = nn.Embedding(16, 16)
+        self.hidden = nn.Linear(16, 16, bias=False)
+        self.head = nn.Linear(16, 16, bias=False)
+
+    def get_output_embeddings(self) -> nn.Module | None:  # Hugging Face's way to name the head
+        return self.head if self.declares_head else None
+
+
+def test_role_decides_not_layout_a_declared_square_head_stays_on_adamw():
+    assert _sides(assign_parameters(SquareLM(declares_head=True))) == {
         "embed.weight": ("adamw", "embedding"),
         "hidden.weight": ("muon", "hidden matrix"),
         "head.weight": ("adamw", "output head"),
     }
+
+
+def test_a_model_without_a_head_sends_its_last_vocabulary_wide_matrix_to_muon():
+    """A pipeline stage without the head: its last Linear projects onto the vocabulary's width,
+    but it is a hidden matrix (the old rule took the last such Linear for the head)."""
+    model = SquareLM(declares_head=False)
+    assert model.head.out_features == model.vocab_size
+    assert _sides(assign_parameters(model)) == {
+        "embed.weight": ("adamw", "embedding"),
+        "hidden.weight": ("muon", "hidden matrix"),
+        "head.weight": ("muon", "hidden matrix"),
+    }
+
+
+def test_sides_follow_the_core_parameter_roles(models):
+    """Muon reuses the core's rule: its role names map one to one, routers refine core matrices."""
+    model = models.tiny_mixture_lm()
+    core = parameter_roles(model)
+    expected = {"embedding": "embedding", "output": "output head", "norm": "norm", "bias": "bias"}
+    for assignment in assign_parameters(model):
+        role = core[assignment.name]
+        if role == "matrix":
+            assert assignment.role in ("hidden matrix", "stacked matrices", "router"), assignment
+            assert (assignment.role == "router") == (".router." in assignment.name)
+        else:
+            assert assignment.role == expected[role], assignment
 
 
 def test_name_patterns_send_parameters_either_way(models):

@@ -8,7 +8,7 @@ from forge_lm.config import ModelSection
 from forge_lm.distributed.pipeline import keep_stage
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
-from forge_optim_muon.roles import assign_parameters
+from forge_optim_muon.factory import assign_parameters
 
 DIM = 64  # the vocabulary is as large as the width: every attention matrix has the head's shape
 
@@ -43,6 +43,9 @@ def test_a_pipeline_stage_gives_each_parameter_the_role_it_has_in_the_whole_mode
     if stage == 0:  # the embedding, no head: the last [vocab, dim] matrix here is a hidden one
         assert part["tok_embeddings.weight"] == ("adamw", "embedding")
         assert "output.weight" not in part
+        model = keep_stage(_model(), stage, 2)
+        wide = [f"{path}.weight" for path, m in model.named_modules() if getattr(m, "out_features", None) == DIM]
+        assert part[wide[-1]] == ("muon", "hidden matrix")
     else:
         assert part["output.weight"] == ("adamw", "output head")
         assert "tok_embeddings.weight" not in part

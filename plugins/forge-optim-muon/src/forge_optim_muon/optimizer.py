@@ -27,10 +27,19 @@ Scale:
 - ``ns_dtype``: ``"bfloat16"`` (as reference implementations: accurate enough, since the
   iteration only aims at singular values near 1), ``"float32"``, or ``"auto"``: bfloat16 on
   CUDA, float32 elsewhere (CPUs without bf16 units emulate bf16 matmuls, many times slower).
-- Parameters that are DTensors (FSDP2 shards) are orthogonalised as whole matrices: the
-  updates of each same-shape group are all-gathered in one collective, each rank
-  orthogonalises its share of the batch, and one more all-gather shares the results; each
-  rank then applies its own shard. Momentum and the AdamW fallback stay shard-local.
+- Parameters that are DTensors (FSDP2, HSDP or tensor-parallel shards) are orthogonalised as
+  whole matrices, a bounded group at a time: the matrices of one shape are cut into groups of
+  at most ``gather_bucket_mb`` MiB (whole, in the update's dtype; a larger matrix is a group
+  of its own), so the extra memory of a step is a small multiple of one group (the gathered
+  updates, the Newton-Schulz batch, the gathered results), not every matrix of the model. A
+  group's updates are all-gathered in one collective per placement, every rank of the
+  parameters' mesh (all of its dimensions: HSDP's replicas and shards, or the tensor-parallel
+  ranks) orthogonalises an equal share of the group, and all-gathers along each mesh
+  dimension share the results; each rank then applies its own shard, and the group is freed
+  before the next is gathered. Momentum and the AdamW fallback stay shard-local (a gradient
+  placed otherwise than its parameter is redistributed like it first). Groups cut the
+  batches, never a matrix, and each matrix's Newton-Schulz is computed alone in its batch,
+  so the result does not depend on the budget.
 
 AdamW groups (``algorithm = "adamw"``) run ``torch.optim.AdamW``'s update (decoupled weight
 decay, bias correction) with their own ``lr``, ``betas``, ``eps`` and ``weight_decay``. A
@@ -41,7 +50,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +58,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
+GATHER_BUCKET_MB = 512.0  # default bound on the whole matrices gathered at once (MiB)
 UPDATE_SCALES = ("original", "match_rms_adamw")
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -117,7 +127,8 @@ class Muon(torch.optim.Optimizer):
     ns_dtype``; AdamW group keys: ``lr, betas, eps, weight_decay``. State per Muon parameter:
     ``momentum_buffer``; per AdamW parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` (as
     ``torch.optim.AdamW``). :func:`forge_optim_muon.factory.build_muon` builds the groups of a
-    model by the role of each parameter.
+    model by the role of each parameter. ``gather_bucket_mb`` bounds the whole matrices a step
+    holds at once (see the module docstring); it is the optimizer's, not a group's.
     """
 
     def __init__(
@@ -136,7 +147,12 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: Sequence[float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
+        gather_bucket_mb: float = GATHER_BUCKET_MB,
     ) -> None:
+        if not (isinstance(gather_bucket_mb, int | float) and math.isfinite(gather_bucket_mb) and gather_bucket_mb > 0):
+            raise ValueError(f"gather_bucket_mb must be a positive number of MiB, got {gather_bucket_mb!r}")
+        # Bytes of whole matrices (gathered shards of DTensors) held at once during a step.
+        self.gather_bucket_bytes = max(1, int(gather_bucket_mb * 2**20))
         self._group_defaults = {
             "muon": {
                 "lr": lr,
@@ -208,7 +224,7 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             params.append(_local(param))
-            grads.append(_local(param.grad))
+            grads.append(_local_grad(param))
             exp_avgs.append(_local(state["exp_avg"]))
             exp_avg_sqs.append(_local(state["exp_avg_sq"]))
             steps.append(state["step"])
@@ -241,25 +257,25 @@ class Muon(torch.optim.Optimizer):
             for param in stepped:
                 state = self.state[param]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
+                    state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 buffers.append(_local(state["momentum_buffer"]))
-            grads = [_local(p.grad) for p in stepped]
+            grads = [_local_grad(p) for p in stepped]
             momentum = group["momentum"]
             torch._foreach_lerp_(buffers, grads, 1.0 - momentum)
             updates = torch._foreach_lerp(grads, buffers, momentum) if group["nesterov"] else buffers
             entries.extend(_Entry(p, group, u) for p, u in zip(stepped, updates, strict=True))
-        if not entries:
-            return
-        _gather_whole_matrices(entries)
-        _orthogonalize_in_batches(entries)
-        _take_local_shards(entries)
-        for entry in entries:
-            group, param = entry.group, _local(entry.param)
-            lr, decay = group["lr"], group["weight_decay"]
-            rows, cols = entry.param.shape[-2:]
-            if decay != 0:
-                param.mul_(1.0 - lr * decay)
-            param.add_(entry.result, alpha=-lr * update_scale(group["update_scale"], rows, cols))
+        for bucket in _buckets(entries, self.gather_bucket_bytes):
+            _gather_whole_matrices(bucket)
+            _orthogonalize_in_batches(bucket)
+            _take_local_shards(bucket)
+            for entry in bucket:
+                group, param = entry.group, _local(entry.param)
+                lr, decay = group["lr"], group["weight_decay"]
+                rows, cols = entry.param.shape[-2:]
+                if decay != 0:
+                    param.mul_(1.0 - lr * decay)
+                param.add_(entry.result, alpha=-lr * update_scale(group["update_scale"], rows, cols))
+                entry.full = entry.result = None  # this group's whole matrices go before the next is gathered
 
 
 class _Entry:
@@ -280,6 +296,20 @@ class _Entry:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_grad(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``param``'s gradient, laid out as its part of ``param``.
+
+    Under tensor parallelism a gradient can come back placed otherwise than its parameter (a
+    partial sum, or replicated, where the weight is sharded): it is redistributed to the
+    parameter's placements first, so that every local tensor of a step lines up with the
+    parameter's shard and the state stays sharded like it.
+    """
+    grad = param.grad
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return _local(grad)
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -358,6 +388,44 @@ def _take_local_shards(entries: list[_Entry]) -> None:
             entry.result = shard
 
 
+def _batch_key(entry: _Entry) -> tuple[Any, ...]:
+    """What matrices must share to be orthogonalised in one batch: shape, device, settings, mesh."""
+    group, device = entry.group, entry.update.device
+    return (
+        tuple(entry.param.shape[-2:]),
+        device,
+        resolve_ns_dtype(group["ns_dtype"], device),
+        tuple(group["ns_coefficients"]),
+        group["ns_steps"],
+        group["ns_eps"],
+        None if entry.mesh is None else id(entry.mesh),
+    )
+
+
+def _buckets(entries: list[_Entry], budget: int) -> Iterator[list[_Entry]]:
+    """``entries`` cut into groups of one batch each whose whole matrices (in the update's dtype)
+    take at most ``budget`` bytes; a matrix larger than the budget is a group of its own.
+
+    Every rank of a mesh cuts alike (the entries come in the order of the param groups, the same
+    everywhere), so the collectives of each group match across ranks.
+    """
+    batches: dict[tuple[Any, ...], list[_Entry]] = {}
+    for entry in entries:
+        batches.setdefault(_batch_key(entry), []).append(entry)
+    for members in batches.values():
+        bucket: list[_Entry] = []
+        size = 0
+        for entry in members:
+            nbytes = entry.param.numel() * entry.update.element_size()
+            if bucket and size + nbytes > budget:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(entry)
+            size += nbytes
+        if bucket:
+            yield bucket
+
+
 def _orthogonalize_in_batches(entries: list[_Entry]) -> None:
     """``entry.result = NS(entry.full)``, one batch per matrix shape and settings.
 
@@ -365,24 +433,14 @@ def _orthogonalize_in_batches(entries: list[_Entry]) -> None:
     through its transposed view, so each matrix is seen in exactly the layout torch.optim.Muon
     gives it (in bfloat16 the layout changes a matmul's rounding).
     """
-    batches: dict[Any, list[_Entry]] = {}
+    batches: dict[tuple[Any, ...], list[_Entry]] = {}
     for entry in entries:
-        group, full = entry.group, entry.full
-        key = (
-            tuple(full.shape[-2:]),
-            full.device,
-            resolve_ns_dtype(group["ns_dtype"], full.device),
-            tuple(group["ns_coefficients"]),
-            group["ns_steps"],
-            group["ns_eps"],
-            None if entry.mesh is None else id(entry.mesh),
-        )
-        batches.setdefault(key, []).append(entry)
+        batches.setdefault(_batch_key(entry), []).append(entry)
     for ((rows, cols), _, dtype, coefficients, steps, eps, _), members in batches.items():
         batch = torch.cat([entry.full.reshape(-1, rows, cols) for entry in members]).to(dtype)
         orthogonalise = functools.partial(_stored_layout_newton_schulz, coefficients=coefficients, steps=steps, eps=eps)
         mesh = members[0].mesh
-        if mesh is not None and mesh.ndim == 1 and mesh.size() > 1:
+        if mesh is not None and mesh.size() > 1:
             out = _spread(orthogonalise, batch, mesh, members[0].update.dtype)
         else:
             out = orthogonalise(batch)
@@ -405,14 +463,24 @@ def _stored_layout_newton_schulz(
 def _spread(
     orthogonalise: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor, mesh: Any, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """``orthogonalise(batch)`` with the work split over the ranks of ``mesh``: each rank takes an
-    equal share of the (zero-padded) batch, and an all-gather gives every rank every result."""
-    world, rank = mesh.size(), mesh.get_local_rank()
+    """``orthogonalise(batch)`` with the work split over every rank of ``mesh``, of any number of
+    dimensions: each rank takes an equal share of the (zero-padded) batch, the share of its
+    row-major position in the mesh, and all-gathers along the mesh dimensions, innermost first,
+    give every rank every result (after the innermost, a rank holds its row's consecutive shares;
+    each further gather joins consecutive rows). No process group beyond the mesh's own is made."""
+    sizes = tuple(mesh.shape)
+    position = 0
+    for coordinate, size in zip(mesh.get_coordinate(), sizes, strict=True):
+        position = position * size + coordinate
     count = batch.shape[0]
-    share = -(-count // world)
-    if share * world != count:  # zero matrices stay zero: 0 / max(0, eps) = 0
-        batch = torch.cat([batch, batch.new_zeros(share * world - count, *batch.shape[1:])])
-    mine = orthogonalise(batch[rank * share : (rank + 1) * share]).to(out_dtype).contiguous()
-    gathered = mine.new_empty(share * world, *mine.shape[1:])
-    dist.all_gather_into_tensor(gathered, mine, group=mesh.get_group())
+    share = -(-count // mesh.size())
+    if share * mesh.size() != count:  # zero matrices stay zero: 0 / max(0, eps) = 0
+        batch = torch.cat([batch, batch.new_zeros(share * mesh.size() - count, *batch.shape[1:])])
+    gathered = orthogonalise(batch[position * share : (position + 1) * share]).to(out_dtype).contiguous()
+    for dim in reversed(range(mesh.ndim)):
+        if sizes[dim] == 1:
+            continue
+        joined = gathered.new_empty(sizes[dim] * gathered.shape[0], *gathered.shape[1:])
+        dist.all_gather_single(joined, gathered, group=mesh.get_group(dim))
+        gathered = joined
     return gathered[:count]

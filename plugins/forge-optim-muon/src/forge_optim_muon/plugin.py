@@ -68,6 +68,11 @@ class MuonOptions(LearningRateOptions):
     # Overrides of the rule: fnmatch patterns of parameter names (as model.named_parameters() gives them).
     muon_params: list[str] = attrs.field(factory=list, validator=_patterns)
     adamw_params: list[str] = attrs.field(factory=list, validator=_patterns)
+    # Sharded (FSDP2, HSDP, tensor-parallel) matrices are gathered whole for Newton-Schulz in groups
+    # of at most this many MiB (fp32 updates), one group at a time: the step's extra memory scales
+    # with a group, not the model. Larger groups mean fewer, larger collectives and batches, and
+    # keep more ranks busy (each group's matrices are split over the ranks).
+    gather_bucket_mb: float = attrs.field(default=512.0, validator=positive)
 
     def __attrs_post_init__(self) -> None:
         both = sorted(set(self.muon_params) & set(self.adamw_params))
