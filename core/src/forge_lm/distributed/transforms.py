@@ -2,14 +2,15 @@
 
 Order of the slots (each transform registers into one; the core does not know which exist)::
 
-    tensor_parallel -> expert_parallel -> float8 -> activation_checkpointing -> data_parallel -> compile
+    tensor_parallel -> expert_parallel -> float8 -> activation_checkpointing -> compile -> data_parallel
 
 Why this order: tensor parallelism replaces weights with DTensors sharded over the ``tp``
 mesh, so it comes first; expert parallelism (a plugin's slot) then splits experts over ``ep``;
 float8 swaps linear layers for ones that see the final local shapes; activation
-checkpointing wraps the computation of each block, which FSDP2 must then shard as one unit;
-FSDP2 shards every parameter over the data-parallel mesh and must see the final parameters;
-``torch.compile`` last, so that it traces the model that actually runs (FSDP2 hooks included).
+checkpointing wraps the computation of each block, which ``torch.compile`` then traces
+(checkpointing included) and FSDP2 shards as one unit; FSDP2 comes last, around the
+compiled blocks, so that its hooks (the parameters' all-gathers and the gradients'
+reduce-scatters) stay outside the compiled graphs, as in torchtitan.
 Within one slot, transforms run in name order. Pipeline parallelism is not a transform: it
 splits the model into stages first, and every stage then goes through this list.
 
@@ -38,8 +39,8 @@ TRANSFORM_ORDER = (
     "expert_parallel",
     "float8",
     "activation_checkpointing",
-    "data_parallel",
     "compile",
+    "data_parallel",
 )
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from forge_lm.distributed import ModelTransform, TransformContext
@@ -40,32 +40,18 @@ from forge_lm.errors import ConfigError
 from forge_moe.plugin import MoEOptions, check_expert_parallel
 
 # -- the token exchange -------------------------------------------------------------------------
-
-
-def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
-    out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows ``x[sum(input_splits[:j]) : ...]`` go to rank ``j``; rank ``j``'s rows for this rank
-    arrive in block ``j`` of the output (``output_splits[j]`` rows). Backward: the same exchange
-    of the gradient with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
-        return _all_to_all(x, output_splits, input_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+# Functional collectives (``_c10d_functional.all_to_all_single``) rather than
+# ``dist.all_to_all_single``: selective activation checkpointing keeps their outputs
+# (forge_lm.distributed.activation_checkpointing), so backward does not exchange the tokens a
+# second time, and torch.compile can trace them.
 
 
 def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
-    """Differentiable ``all_to_all_single`` along dim 0 with uneven splits (see :class:`_AllToAll`)."""
-    return _AllToAll.apply(x, output_splits, input_splits, group)
+    """Differentiable ``all_to_all_single`` along dim 0 with uneven splits: rows
+    ``x[sum(input_splits[:j]) : ...]`` go to rank ``j``; rank ``j``'s rows for this rank arrive in
+    block ``j`` of the output (``output_splits[j]`` rows). Backward: the same exchange of the
+    gradient with the splits swapped."""
+    return funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
 
 
 class ExpertParallel:
@@ -91,11 +77,12 @@ class ExpertParallel:
         local = counts.numel() // size
         # counts[j * local + e]: rows for rank j's local expert e; after the exchange,
         # received[j * local + e]: rows from rank j for this rank's local expert e.
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        received = funcol.all_to_all_single(counts.contiguous(), None, None, self.group)  # even splits
         send = counts.view(size, local).sum(1)
         recv = received.view(size, local)
-        splits = torch.cat([send, recv.sum(1)]).tolist()  # the one host sync: the exchange's sizes
+        # The layer's one host sync, and an inherent one: the row exchange below needs its split
+        # sizes as Python integers (NCCL and gloo size their buffers from them before sending).
+        splits = torch.cat([send, recv.sum(1)]).tolist()
         send_splits, recv_splits = splits[:size], splits[size:]
         inbound = all_to_all(rows, recv_splits, send_splits, self.group)  # blocks: source rank, then expert
         # Regroup by local expert (sources in rank order within an expert) for the grouped kernel.
@@ -149,6 +136,12 @@ def _apply_expert_parallel(model: nn.Module, context: TransformContext) -> None:
         raise ConfigError(
             "[distributed] ep > 1 together with tp > 1 is not supported yet (the MoE layer would need the "
             "sequence-parallel input gathered first); set tp = 1 or ep = 1."
+        )
+    if context.config.train.activation_checkpointing == "selective":
+        raise ConfigError(
+            "[train] activation_checkpointing = 'selective' with [distributed] ep > 1 fails in backward: the "
+            "experts' own FSDP2 unit runs different profiler operations when the block is replayed, which "
+            "torch's selective checkpointing refuses. Use activation_checkpointing = 'full' (or 'none')."
         )
     ep_mesh = context.submesh("ep")
     parallel = ExpertParallel(ep_mesh.get_group(), ep_mesh.size(), ep_mesh.get_local_rank())

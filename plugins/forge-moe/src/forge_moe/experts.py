@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from forge_lm import events
 
@@ -48,6 +49,14 @@ class Dispatch(NamedTuple):
     dropped: torch.Tensor  # scalar: slots dropped by the capacity limit
 
 
+def count_per_expert(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many entries of ``flat`` (expert indices) name each of the ``n_experts`` experts.
+
+    A scatter-add into ``n_experts`` zeros rather than ``torch.bincount``, whose output length
+    depends on the largest index (a value ``torch.compile`` cannot know without reading it)."""
+    return flat.new_zeros(n_experts).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def dispatch(indices: torch.Tensor, n_experts: int, capacity_limit: int | None = None) -> Dispatch:
     """Sort the assignments of ``indices`` (``[tokens, top_k]``) by expert and apply the capacity rule."""
     tokens, top_k = indices.shape
@@ -56,11 +65,13 @@ def dispatch(indices: torch.Tensor, n_experts: int, capacity_limit: int | None =
     priority = torch.arange(tokens * top_k, device=indices.device).view(tokens, top_k).t().reshape(-1)
     slots = priority[torch.argsort(flat[priority], stable=True)]  # by expert; ties keep the priority order
     experts = flat[slots]
-    assigned = torch.bincount(flat, minlength=n_experts)
-    if capacity_limit is None:
+    assigned = count_per_expert(flat, n_experts)
+    if capacity_limit is None:  # every shape here follows from the input's: no sync, no recompile
         return Dispatch(slots, experts, assigned, assigned, assigned.new_zeros(()))
     starts = assigned.cumsum(0) - assigned
     rank = torch.arange(slots.numel(), device=slots.device) - starts[experts]  # position within its expert
+    # The kept slots' number depends on the routing: this selection is the one data-dependent
+    # shape of a layer that drops (under torch.compile, the graph ends here).
     keep = rank < capacity_limit
     counts = assigned.clamp(max=capacity_limit)
     return Dispatch(slots[keep], experts[keep], counts, assigned, flat.numel() - counts.sum())
@@ -88,6 +99,8 @@ def _grouped_swiglu(x, counts, w1, w3, w2, pad_to):
 
 def _padded_swiglu(x, counts, w1, w3, w2, pad_to):
     n_experts = w1.shape[0]
+    # Without a capacity the buffer is as long as the busiest expert's rows: reading that count
+    # is a host sync (and, compiled, a graph break), which the grouped kernel does not need.
     experts = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts, output_size=x.shape[0])
     rank = torch.arange(x.shape[0], device=x.device) - (counts.cumsum(0) - counts)[experts]
     rows = pad_to if pad_to is not None else int(counts.max()) if x.shape[0] else 0
@@ -137,8 +150,11 @@ def _probe_verdict(device_type: str, dtype: torch.dtype, dim: int, hidden: int) 
         return False, "this torch has no torch._grouped_mm"
     try:
         # The first call may come from inside a forward under activation checkpointing: identity
-        # saved-tensor hooks keep the probe's own autograd graph out of the checkpoint's count.
+        # saved-tensor hooks keep the probe's own autograd graph out of the checkpoint's count,
+        # and with the dispatch modes set aside selective checkpointing's cache never sees the
+        # probe's products (its replay in backward would otherwise be handed them).
         with (
+            _disable_current_modes(),
             torch.inference_mode(False),
             torch.enable_grad(),
             torch.autocast(device_type, enabled=False),
@@ -166,10 +182,36 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, dim: int, hidden
     return bool(torch.allclose(y.float(), expected.float(), rtol=2e-2, atol=2e-2 * math.sqrt(dim)))
 
 
+def _grouped_mm_traces(dtype: torch.dtype) -> bool:
+    """Whether ``torch.compile`` can trace ``torch._grouped_mm`` in ``dtype``: its shape function
+    (the meta kernel) accepts fewer dtypes than some eager kernels (bf16 only in torch 2.13,
+    where the CPU kernel also runs fp32). Asked of the meta kernel itself, with no data."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    meta = torch.device("meta")
+    try:
+        torch._grouped_mm(
+            torch.empty(4, 8, device=meta, dtype=dtype),
+            torch.empty(2, 8, 8, device=meta, dtype=dtype),
+            offs=torch.empty(2, device=meta, dtype=torch.int32),
+        )
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+# Answered once, at import and outside any compiled region, for the dtypes layers run in: a
+# compiled forward reads this table instead of probing (the probe runs a backward pass).
+_TRACES_GROUPED_MM = {dtype: _grouped_mm_traces(dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+
+
 def resolve_kernel(kernel: str, x: torch.Tensor, hidden: int) -> str:
-    """``"auto"``: ``grouped_mm`` where it works for ``x``'s device and dtype, else ``padded``."""
+    """``"auto"``: ``grouped_mm`` where it works for ``x``'s device and dtype, else ``padded``.
+    Inside ``torch.compile``: ``grouped_mm`` where the compiler can trace it for ``x``'s dtype."""
     if kernel != "auto":
         return kernel
+    if torch.compiler.is_compiling():
+        return "grouped_mm" if _TRACES_GROUPED_MM.get(x.dtype, False) else "padded"
     return "grouped_mm" if grouped_mm_works(x.device.type, x.dtype, x.shape[-1], hidden) else "padded"
 
 

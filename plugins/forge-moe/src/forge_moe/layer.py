@@ -25,6 +25,7 @@ from forge_lm.errors import PluginError
 from forge_lm.losses.aux import report_aux_loss, report_metric
 from forge_lm.model.swiglu import SwiGLU, swiglu_hidden
 from forge_moe.experts import capacity, dispatch, expert_swiglu
+from forge_moe.routers import recomputing
 
 if TYPE_CHECKING:
     from forge_lm.components import Initializer
@@ -65,6 +66,21 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight  # a DTensor: this rank's experts
 
 
+@torch.compiler.disable
+def _report(prefix: str, losses: dict[str, torch.Tensor], statistics: dict[str, torch.Tensor]) -> None:
+    """Hand a forward's losses and statistics (device tensors) to the training loop's collector.
+
+    Outside the compiled graph: the collector is found through a context variable, which
+    torch.compile cannot trace. The graph ends here, once per MoE layer, and the computation
+    after it (the block's residual add) is compiled separately. (Dynamo's reorderable logging
+    functions would avoid the break, but in torch 2.13 it drops their calls made from
+    inlined modules, which every call from a compiled block is.)"""
+    for name, value in losses.items():
+        report_aux_loss(f"{prefix}/{name}", value)
+    for name, value in statistics.items():
+        report_metric(f"{prefix}/{name}", value)
+
+
 class MoELayer(nn.Module):
     """``[batch, seq, dim] -> [batch, seq, dim]``; see the module docstring.
 
@@ -73,6 +89,12 @@ class MoELayer(nn.Module):
     ``moe/layer<i>/load_min``, ``load_max`` (an expert's assignments over the uniform share,
     1.0 = balanced), ``load_cv`` (std / mean of the assignments per expert) and
     ``drop_fraction`` (assignments dropped by the capacity limit over all assignments).
+
+    The statistics cover every training forward since the last optimizer step (all the
+    micro-batches of a step): the per-expert counts are summed on the device, in the buffers
+    ``routed_load``, ``dropped_load`` and ``routed_slots``, and the statistics are reported as
+    device tensors, which the training loop reads only on the steps it logs. Nothing in a
+    forward waits for the device (expert parallelism's split sizes aside).
     """
 
     def __init__(
@@ -98,6 +120,10 @@ class MoELayer(nn.Module):
         # layer's expert-parallel group, and the data-parallel group its router's load is summed over.
         self.expert_parallel: Any = None
         self.load_group: Any = None
+        # Routing counts since the last optimizer step (int64: exact at any batch size).
+        self.register_buffer("routed_load", torch.zeros(n_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("dropped_load", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("routed_slots", torch.zeros((), dtype=torch.int64), persistent=False)
         if self.shared is not None:  # the standalone default of an expert (a model's build sets it again)
             for linear in (self.shared.w1, self.shared.w3, self.shared.w2):
                 nn.init.normal_(linear.weight, mean=0.0, std=0.02)
@@ -110,6 +136,8 @@ class MoELayer(nn.Module):
         self.experts.init_weights(init)
         if self.shared is not None:
             self.shared.init_weights(init)
+        for counts in (self.routed_load, self.dropped_load, self.routed_slots):
+            init.zeros(counts)
 
     def active_parameter_count(self) -> int:
         """Per token: the whole router (it scores every expert), ``top_k`` experts, the shared experts."""
@@ -143,28 +171,40 @@ class MoELayer(nn.Module):
         out = combined.view(tokens, self.top_k, dim).sum(dim=1)
         if self.shared is not None:
             out = out + self.shared(flat).to(out.dtype)
-        prefix = f"moe/layer{self.layer_index}"
-        for name, value in routing.aux_losses.items():
-            report_aux_loss(f"{prefix}/{name}", value)
-        if self.training:
-            self._report_statistics(prefix, plan.assigned, plan.dropped, tokens)
+        if not recomputing():  # activation checkpointing's replay has reported already
+            statistics = self._statistics(plan.assigned, plan.dropped, tokens) if self.training else {}
+            _report(f"moe/layer{self.layer_index}", routing.aux_losses, statistics)
         return out.view(batch, seq, dim)
 
     @torch.no_grad()
-    def _report_statistics(self, prefix: str, assigned: torch.Tensor, dropped: torch.Tensor, tokens: int) -> None:
-        slots = tokens * self.top_k
-        assigned = assigned.float()
-        load = assigned * (self.n_experts / slots)
-        cv = assigned.std(correction=0) / assigned.mean()
-        values = torch.stack([load.min(), load.max(), cv, dropped.float() / slots]).tolist()  # one sync
-        for name, value in zip(("load_min", "load_max", "load_cv", "drop_fraction"), values, strict=True):
-            report_metric(f"{prefix}/{name}", value)
+    def _statistics(self, assigned: torch.Tensor, dropped: torch.Tensor, tokens: int) -> dict[str, torch.Tensor]:
+        """Add this forward's counts to the step's; the step's statistics so far, as device
+        tensors (no sync: the training loop reads them on the steps it logs)."""
+        self.routed_load += assigned
+        self.dropped_load += dropped
+        self.routed_slots += tokens * self.top_k
+        slots = self.routed_slots.float()
+        load = self.routed_load.float()
+        share = load * self.n_experts / slots
+        return {
+            "load_min": share.min(),
+            "load_max": share.max(),
+            "load_cv": load.std(correction=0) / load.mean(),
+            "drop_fraction": self.dropped_load.float() / slots,
+        }
+
+    @torch.no_grad()
+    def _clear_statistics(self) -> None:
+        for counts in (self.routed_load, self.dropped_load, self.routed_slots):
+            counts.zero_()
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
         """The router's ``after_optimizer_step()``, if it has one. In data-parallel runs a router's
         ``pending_load`` buffer (its assignment counts since the last step) is first summed over
-        the data-parallel ranks, so the update sees the global batch's load on every rank."""
+        the data-parallel ranks, so the update sees the global batch's load on every rank.
+        The routing statistics start again from zero for the next step."""
+        self._clear_statistics()
         hook = getattr(self.router, "after_optimizer_step", None)
         if not callable(hook):
             return
@@ -176,7 +216,9 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def step_skipped(self) -> None:
         """The router's ``step_skipped()``, if it has one: the abandoned step's per-step state is
-        dropped (no all-reduce: every rank skips the same step and drops its own counts)."""
+        dropped (no all-reduce: every rank skips the same step and drops its own counts), and so
+        are the layer's routing statistics."""
+        self._clear_statistics()
         hook = getattr(self.router, "step_skipped", None)
         if callable(hook):
             hook()

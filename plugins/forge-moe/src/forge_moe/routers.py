@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forge_moe.experts import count_per_expert
+
 if TYPE_CHECKING:
     from forge_lm.components import Initializer
 
@@ -42,6 +44,13 @@ class Routing(NamedTuple):
     indices: torch.Tensor  # [tokens, top_k] int64
     weights: torch.Tensor  # [tokens, top_k] float32
     aux_losses: dict[str, torch.Tensor]  # short name -> weighted scalar
+
+
+def recomputing() -> bool:
+    """Whether this forward is activation checkpointing's replay during backward (autograd is
+    running a backward pass): a counter updated in forward must not count the batch twice.
+    Inside ``torch.compile`` the replay is part of the compiled backward and runs no Python."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 # -- losses: formulas shared by the routers and written to be checked by hand -------------------
@@ -171,9 +180,9 @@ class SigmoidTopKRouter(nn.Module):
             indices = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices  # the bias only selects
         chosen = scores.gather(-1, indices)  # unbiased affinities of the chosen experts
         weights = chosen / chosen.sum(dim=-1, keepdim=True)
-        if self.training:
+        if self.training and not recomputing():
             with torch.no_grad():
-                self.pending_load += torch.bincount(indices.reshape(-1), minlength=self.n_experts).float()
+                self.pending_load += count_per_expert(indices.reshape(-1), self.n_experts).float()
         losses = {}
         if self.sequence_balance_loss_weight:
             per_sequence = sequence_balance_loss(
