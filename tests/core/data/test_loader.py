@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import io
+import threading
+import time
 
 import pytest
 import torch
@@ -100,3 +103,183 @@ def test_samples_with_different_keys_are_an_error():
         next(iter(BatchLoader(Ragged(), 2)))
     with pytest.raises(ForgeError, match="batch_size must be at least 1"):
         BatchLoader(Ragged(), 0)
+
+
+# -- reading ahead: what the training loop asks for on CUDA ------------------------------------
+
+
+READER = "forge-batch-reader"
+
+
+def reader_threads():
+    return [thread for thread in threading.enumerate() if thread.name == READER]
+
+
+class CountingDataset:
+    """A dataset that counts the samples drawn and names the threads that drew them."""
+
+    def __init__(self, dataset):
+        self.dataset, self.drawn, self.threads = dataset, 0, set()
+
+    def __iter__(self):
+        for sample in self.dataset:
+            self.drawn += 1
+            self.threads.add(threading.current_thread().name)
+            yield sample
+
+    def state_dict(self):
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state):
+        self.dataset.load_state_dict(state)
+
+
+class ListDataset:
+    """Given samples, in order, with their position as the state."""
+
+    def __init__(self, samples):
+        self.samples, self.position = samples, 0
+
+    def __iter__(self):
+        while self.position < len(self.samples):
+            self.position += 1
+            yield self.samples[self.position - 1]
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def wait_for(condition):
+    """Poll until ``condition()`` holds (the reader thread works on its own time); fail after a minute."""
+    for _ in range(6000):
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError("the reader thread did not get there")
+
+
+def same_batches(first, second):
+    assert len(first) == len(second)
+    for a, b in zip(first, second, strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("name", "table"), [("python_stdlib", {}), ("synthetic", {})])
+def test_a_reading_ahead_loader_saves_the_position_of_the_batches_handed_out(build_dataset, byte_context, name, table):
+    """The state saved after k batches is the one the plain loader saves, although the reader
+    has already drawn batch k + 1; a fresh loader restored from it yields the next batches."""
+    reference_loader = BatchLoader(build_dataset(name, table, byte_context(seq_len=24)), 5)
+    reference = take_batches(reference_loader, 11)
+    reference_loader = BatchLoader(build_dataset(name, table, byte_context(seq_len=24)), 5)
+    take_batches(reference_loader, 7)
+    reference_state = plain(reference_loader.state_dict())
+
+    counting = CountingDataset(build_dataset(name, table, byte_context(seq_len=24)))
+    loader = BatchLoader(counting, 5, read_ahead=True)
+    iterator = iter(loader)
+    handed_out = [next(iterator) for _ in range(7)]
+    wait_for(lambda: counting.drawn == 8 * 5)  # batch 8 is read while batch 7 is in use
+    state = plain(loader.state_dict())
+    assert state == reference_state
+    assert state["batches"] == 7
+    same_batches(handed_out, reference[:7])
+    same_batches([next(iterator) for _ in range(2)], reference[7:9])  # saving did not disturb the run
+    assert counting.threads == {READER}  # the samples were read off the training thread
+
+    resumed = BatchLoader(build_dataset(name, table, byte_context(seq_len=24)), 5, read_ahead=True)
+    resumed.load_state_dict(state)
+    same_batches(take_batches(resumed, 4), reference[7:11])
+    loader.close()
+    resumed.close()
+    assert not reader_threads()
+
+
+def test_reading_ahead_pins_every_batch_in_the_reader_thread(build_dataset, byte_context, monkeypatch):
+    """Pinning needs CUDA, which this machine lacks: Tensor.pin_memory is replaced by a recorder
+    that returns a copy, as the real one does."""
+    pinned = []
+
+    def pin_memory(self, *args, **kwargs):
+        pinned.append((threading.current_thread().name, tuple(self.shape)))
+        return self.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    reference = take_batches(BatchLoader(build_dataset("synthetic", {}, byte_context(seq_len=8)), 3), 4)
+    assert not pinned  # the plain loader pins nothing
+    loader = BatchLoader(build_dataset("synthetic", {}, byte_context(seq_len=8)), 3, read_ahead=True, pin_memory=True)
+    batches = take_batches(loader, 4)
+    loader.close()
+    same_batches(batches, reference)
+    keys = len(reference[0])
+    # Every tensor of the 4 batches handed out, and of the 5th read ahead, off the training thread.
+    assert pinned[: 4 * keys] == [(READER, (3, 8))] * (4 * keys)
+    assert len(pinned) in (4 * keys, 5 * keys)
+
+
+def test_closing_ends_the_reader_and_puts_the_read_ahead_batch_back(build_dataset, byte_context):
+    reference = take_batches(BatchLoader(build_dataset("synthetic", {}, byte_context()), 2), 6)
+    counting = CountingDataset(build_dataset("synthetic", {}, byte_context()))
+    loader = BatchLoader(counting, 2, read_ahead=True)
+    same_batches(take_batches(loader, 3), reference[:3])
+    assert len(reader_threads()) == 1
+    wait_for(lambda: counting.drawn == 4 * 2)
+    loader.close()
+    assert not reader_threads()
+    assert loader.state_dict()["batches"] == 3
+    same_batches(take_batches(loader, 3), reference[3:6])  # iterating again goes on after batch 3
+    loader.close()
+    assert not reader_threads()
+
+
+def test_a_bad_batch_read_ahead_fails_in_the_training_thread_at_its_turn(byte_context, build_dataset):
+    samples = take_batches(BatchLoader(build_dataset("synthetic", {}, byte_context(seq_len=4)), 1), 5)
+    samples = [{key: value[0] for key, value in sample.items()} for sample in samples]
+    samples[3] = {**samples[3], "input_ids": torch.full((4,), 999)}  # outside a 257-id vocabulary
+    loader = BatchLoader(ListDataset(samples), 1, vocab_size=257, read_ahead=True)
+    iterator = iter(loader)
+    first = [next(iterator) for _ in range(3)]  # the reader has hit batch 4 meanwhile: not raised yet
+    assert torch.equal(first[2]["input_ids"][0], samples[2]["input_ids"])
+    with pytest.raises(ForgeError, match=r"the data \(batch 4\) holds input_ids outside .* 999"):
+        next(iterator)
+    assert not reader_threads()
+    with pytest.raises(StopIteration):  # like a generator that raised
+        next(iterator)
+    assert loader.state_dict()["batches"] == 3
+
+
+def test_a_dropped_reading_loader_lets_its_thread_end(build_dataset, byte_context):
+    loader = BatchLoader(build_dataset("synthetic", {}, byte_context()), 2, read_ahead=True)
+    take_batches(loader, 2)
+    (thread,) = reader_threads()
+    del loader
+    gc.collect()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+
+
+def test_loading_a_state_into_a_reading_loader_drops_the_batch_read_ahead(build_dataset, byte_context):
+    """What a rollback does (resilience.nan_policy = "rollback"): the loader's state is loaded
+    while its iterator is running; that same iterator then yields from the loaded position."""
+    reference = take_batches(BatchLoader(build_dataset("python_stdlib", {}, byte_context()), 2), 8)
+    loader = BatchLoader(build_dataset("python_stdlib", {}, byte_context()), 2, read_ahead=True)
+    iterator = iter(loader)
+    _ = [next(iterator) for _ in range(2)]
+    at_two = loader.state_dict()
+    same_batches([next(iterator) for _ in range(3)], reference[2:5])
+    loader.load_state_dict(at_two)
+    assert not reader_threads()  # stopped before the dataset was touched
+    same_batches([next(iterator) for _ in range(6)], reference[2:8])
+    loader.close()
+
+
+def test_a_reading_ahead_loader_ends_a_finite_dataset_as_the_plain_one_does():
+    samples = [{"input_ids": torch.arange(3) + i, "labels": torch.arange(3)} for i in range(7)]
+    plain_loader = BatchLoader(ListDataset(samples), 2)
+    reading = BatchLoader(ListDataset(samples), 2, read_ahead=True)
+    same_batches(list(reading), list(plain_loader))  # 3 batches; the odd sample is dropped
+    assert reading.state_dict() == plain_loader.state_dict() == {"dataset": {"position": 7}, "batches": 3}
+    assert not reader_threads()

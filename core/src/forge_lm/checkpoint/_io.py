@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from forge_lm import events
 from forge_lm.checkpoint._safe import DamagedCheckpointError, SafeReader, TensorsOnlyPlanner, UnsafeCheckpointError
+from forge_lm.checkpoint._staging import StagingBuffers
 from forge_lm.checkpoint._state import TRAINER_STATE, read_trainer_state
 from forge_lm.checkpoint._tree import join, merge_rank_skeletons, restrict_to_rank, split, tensor_keys
 from forge_lm.distributed.reduce import any_rank, barrier, distributed, from_rank0, rank
@@ -67,6 +68,7 @@ class CheckpointManager:
         self.keep_last_n = keep_last_n
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1) if async_save else None
         self._pending: concurrent.futures.Future | None = None
+        self._staging = StagingBuffers()  # host copies for background writes, kept between saves
         self._restored: Path | None = None  # the checkpoint the run was last restored from
         # A background save runs its collectives on a group of its own, so that they never
         # interleave with the training step's collectives on the default group.
@@ -77,7 +79,8 @@ class CheckpointManager:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Checkpoint ``step``: model, optimizer, and ``state`` (plain data and tensors).
 
-        With async saving, the state is copied now and written in the background; the next
+        With async saving, the state is copied now into host buffers kept from one save to the
+        next (pinned for GPU tensors: :mod:`._staging`) and written in the background; the next
         save (or :meth:`wait`) waits for it first.
         """
         self.wait()
@@ -87,14 +90,13 @@ class CheckpointManager:
         skeleton["rng"] = rng_state()
         skeleton["step"] = step
         json.dumps(skeleton)  # fails now, before anything is written, if something is not plain data
-        if distributed():  # pipeline stages hold different parameters: describe them all
-            skeletons: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(skeletons, skeleton)
-            skeleton = merge_rank_skeletons(skeletons)
+        if distributed():  # pipeline stages hold different parameters: rank 0's file describes them all
+            skeleton = _gather_to_rank0(skeleton)
         if self._executor is None:
             self._write(step, tensors, skeleton, started)
             return
-        snapshot = {key: value.detach().to("cpu", copy=True) for key, value in tensors.items()}
+        # The previous background write has finished (wait() above): its buffers can be refilled.
+        snapshot = self._staging.stage(tensors)
         self._pending = self._executor.submit(self._write, step, snapshot, skeleton, started)
 
     def wait(self) -> None:
@@ -107,8 +109,12 @@ class CheckpointManager:
         self.wait()
         if self._executor is not None:
             self._executor.shutdown()
+        self._staging = StagingBuffers()  # the run's last save is written: its host copies can go
 
-    def _write(self, step: int, tensors: dict[str, torch.Tensor], skeleton: dict[str, Any], started: float) -> None:
+    def _write(
+        self, step: int, tensors: dict[str, torch.Tensor], skeleton: dict[str, Any] | None, started: float
+    ) -> None:
+        """Write ``tensors`` (every rank its own) and, on rank 0, ``skeleton`` (None on the others)."""
         path = self.root / f"step_{step}"
         main = rank() == 0
         # Rank 0 looks at the directory and decides for everyone: ranks must not branch apart
@@ -332,6 +338,16 @@ class CheckpointManager:
             if any_rank(problem is not None):
                 raise problem or ForgeError("its state did not restore on another rank")
         return state
+
+
+def _gather_to_rank0(skeleton: dict[str, Any]) -> dict[str, Any] | None:
+    """The skeleton of the whole model on rank 0, which alone writes it; None on the others, which
+    have no use for the other ranks' skeletons (gathering them everywhere would move world-size
+    times the data for nothing)."""
+    main = rank() == 0
+    skeletons: list[Any] | None = [None] * dist.get_world_size() if main else None
+    dist.gather_object(skeleton, skeletons, dst=0)
+    return merge_rank_skeletons(skeletons) if main else None
 
 
 def _describe(exc: BaseException) -> str:

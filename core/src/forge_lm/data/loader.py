@@ -1,9 +1,17 @@
 """``BatchLoader``: samples of a dataset stacked into batches, resumable batch for batch.
 
-The loader reads samples in the training process, one batch at a time, with no read-ahead:
-the dataset's state then always names the first sample of the next batch, so saving it is
-saving the loader. (Read-ahead in worker processes would make the saved state run ahead of
-what training consumed.)
+By default the loader reads samples in the training thread, one batch at a time: the
+dataset's state then always names the first sample of the next batch, so saving it is saving
+the loader. With ``read_ahead`` (what the training loop asks for on CUDA), a background thread
+reads the next batch while training uses the current one, and ``pin_memory`` puts each batch in
+page-locked memory, from which the ``non_blocking`` copy to the GPU runs asynchronously. The
+saved state still describes the batches handed out, not the one read ahead: the thread reads
+only between two hand-outs, so the dataset is touched by one thread at a time, and at each
+hand-out the loader notes the dataset's state (then the position after the batch handed out)
+before letting the thread read on. The dataset's ``state_dict`` is therefore called in the
+training thread, once per batch, and its iterator runs in the background thread: it must draw
+its randomness from its own generators, as the built-in datasets do, not from the global ones
+that training also uses.
 
 Given the model's ``vocab_size``, the loader checks every batch before the model sees it:
 token ids must be integers the embedding holds (labels may also be the ignore index), whatever
@@ -14,7 +22,11 @@ CUDA; here it is a :class:`ForgeError` naming the data, the ids and the fix, at 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import copy
+import functools
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,38 +39,198 @@ class BatchLoader:
     """Batches of ``batch_size`` samples: a dict of tensors ``[batch_size, *sample_shape]``.
 
     With ``vocab_size``, each batch's token ids are checked (:func:`check_token_ids`);
-    ``source`` names the data in the message."""
+    ``source`` names the data in the message. ``read_ahead``: read the next batch in a
+    background thread (see the module docstring); ``pin_memory``: hand out batches in pinned
+    host memory (needs CUDA). :meth:`close` stops the thread."""
 
-    def __init__(self, dataset: Any, batch_size: int, vocab_size: int | None = None, source: str = "the data") -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        vocab_size: int | None = None,
+        source: str = "the data",
+        *,
+        read_ahead: bool = False,
+        pin_memory: bool = False,
+    ) -> None:
         if batch_size < 1:
             raise ForgeError(f"batch_size must be at least 1, got {batch_size}.")
         self.dataset = dataset
         self.batch_size = batch_size
         self.vocab_size = vocab_size
         self.source = source
+        self.read_ahead = read_ahead
+        self.pin_memory = pin_memory
         self.batches = 0  # batches handed out since the start of the run (kept in the state)
+        self._reader: _ReadAhead | None = None
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         # A fresh dataset iterator per call: after load_state_dict, iter(loader) starts at the
         # restored position even for datasets whose iterators keep their own position.
+        if self.read_ahead:
+            self.close()  # the dataset has one position: one reader at a time
+            self._reader = _ReadAhead(self)
+            return self._reader
+        return self._read_here()
+
+    def _read_here(self) -> Iterator[dict[str, torch.Tensor]]:
         samples = iter(self.dataset)
         while True:
-            try:
-                batch = [next(samples) for _ in range(self.batch_size)]
-            except StopIteration:  # a finite dataset ends here; its incomplete last batch is dropped
+            batch = _read_batch(samples, self.batches + 1, **self._read_options())
+            if batch is None:
                 return
             self.batches += 1
-            collated = collate(batch)
-            if self.vocab_size is not None:
-                check_token_ids(collated, self.vocab_size, f"{self.source} (batch {self.batches})")
-            yield without_trivial_documents(collated)
+            yield batch
+
+    def _read_options(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "vocab_size": self.vocab_size,
+            "source": self.source,
+            "pin_memory": self.pin_memory,
+        }
 
     def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed out (a batch read ahead is not counted)."""
+        if self._reader is not None and self._reader.handed_out is not None:
+            return copy.deepcopy(self._reader.handed_out)
         return {"dataset": self.dataset.state_dict(), "batches": self.batches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._reader is not None:  # a batch read ahead came from the old position: dropped
+            self._reader.stop(rewind=False)
         self.dataset.load_state_dict(state["dataset"])
         self.batches = int(state.get("batches", 0))
+
+    def close(self) -> None:
+        """End the background thread, if any, and put the dataset back at the position after the
+        last batch handed out (a batch read ahead is dropped). Iterating again starts there."""
+        if self._reader is not None:
+            reader, self._reader = self._reader, None
+            reader.close()
+
+
+_STOP = 0  # a request to the reader thread: the number of the batch to read, or this
+
+
+class _ReadAhead:
+    """A :class:`BatchLoader`'s batches, each read in a background thread while the one before it
+    is in use. The thread reads one batch per request and waits between requests."""
+
+    def __init__(self, loader: BatchLoader) -> None:
+        self._loader = loader
+        self._thread: threading.Thread | None = None  # started by the first next()
+        self._requests: queue.Queue[int] = queue.Queue()
+        self._results: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._finished = False
+        # The loader's state after the last batch handed out, noted while the thread waited.
+        self.handed_out: dict[str, Any] | None = None
+
+    def __iter__(self) -> _ReadAhead:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._finished:
+            raise StopIteration
+        if self._thread is None:
+            self._start()
+        kind, value = self._results.get()
+        loader = self._loader
+        if kind == "error":
+            self._finished = True
+            self._join()
+            raise value
+        if kind == "batch":
+            loader.batches += 1
+        # The thread waits for the next request: the dataset stands right after what was handed out.
+        self.handed_out = {"dataset": copy.deepcopy(loader.dataset.state_dict()), "batches": loader.batches}
+        if kind == "end":
+            self._finished = True
+            self._join()
+            raise StopIteration
+        self._requests.put(loader.batches + 1)  # the next batch is read while this one is used
+        return value
+
+    def _start(self) -> None:
+        loader = self._loader
+        self.handed_out = {"dataset": copy.deepcopy(loader.dataset.state_dict()), "batches": loader.batches}
+        # Pinned memory is allocated through the current GPU's context; a new thread's current
+        # GPU is GPU 0, so without this every rank of a node would open a context there.
+        device = torch.cuda.current_device() if loader.pin_memory and torch.cuda.is_available() else None
+        self._requests, self._results = queue.Queue(), queue.Queue()
+        # The thread holds no reference to the loader (nor to this reader): a loader dropped
+        # without close() is collected, and __del__ below tells the thread to end.
+        read = functools.partial(_read_batch, iter(loader.dataset), **loader._read_options())
+        self._thread = threading.Thread(
+            target=_read_batches,
+            args=(read, self._requests, self._results, device),
+            name="forge-batch-reader",
+            daemon=True,  # a dataset stuck in a read never keeps the process from exiting
+        )
+        self._thread.start()
+        self._requests.put(loader.batches + 1)
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._requests.put(_STOP)  # heard once the thread has finished a read in progress
+            self._thread.join()
+            self._thread = None
+
+    def stop(self, rewind: bool) -> None:
+        """End the thread; ``rewind``: put the dataset back after the last batch handed out. The
+        next ``next()`` starts a thread again, from wherever the dataset then stands."""
+        started = self._thread is not None
+        self._join()
+        if rewind and started and self.handed_out is not None:
+            self._loader.dataset.load_state_dict(self.handed_out["dataset"])
+        self.handed_out = None
+
+    def close(self) -> None:
+        self.stop(rewind=True)
+        self._finished = True
+
+    def __del__(self) -> None:
+        if self._thread is not None:  # dropped without close(): let the thread end on its own
+            self._requests.put(_STOP)
+
+
+def _read_batches(
+    read: Callable[[int], dict[str, torch.Tensor] | None],
+    requests: queue.Queue[int],
+    results: queue.Queue[tuple[str, Any]],
+    device: int | None,
+) -> None:
+    """The reader thread: one batch per request, until told to stop or the data ends or fails."""
+    if device is not None:
+        torch.cuda.set_device(device)
+    while (number := requests.get()) != _STOP:
+        try:
+            batch = read(number)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the training thread
+            results.put(("error", exc))
+            return
+        if batch is None:
+            results.put(("end", None))
+            return
+        results.put(("batch", batch))
+
+
+def _read_batch(
+    samples: Iterator[Any], number: int, *, batch_size: int, vocab_size: int | None, source: str, pin_memory: bool
+) -> dict[str, torch.Tensor] | None:
+    """Batch ``number`` (counted over the run) from ``samples``, checked and ready to hand out;
+    None at the end of a finite dataset (its incomplete last batch is dropped)."""
+    try:
+        batch = [next(samples) for _ in range(batch_size)]
+    except StopIteration:
+        return None
+    collated = collate(batch)
+    if vocab_size is not None:
+        check_token_ids(collated, vocab_size, f"{source} (batch {number})")
+    collated = without_trivial_documents(collated)
+    if pin_memory:
+        collated = {key: value.pin_memory() for key, value in collated.items()}
+    return collated
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

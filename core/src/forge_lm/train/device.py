@@ -66,3 +66,12 @@ def seed_everything(seed: int) -> None:
     """Seed Python's and torch's generators (all devices): the run is reproducible from it."""
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+def batch_transfer(device: torch.device) -> dict[str, bool]:
+    """How the training loader hands batches to ``device`` (:class:`~forge_lm.data.loader.BatchLoader`
+    options). For a GPU: read the next batch in a background thread while the GPU computes, into
+    pinned memory, so that the ``non_blocking`` copy to the GPU is asynchronous. On CPU the batch
+    is used where it is read; a reader thread would only compete with the step for the cores."""
+    on_gpu = device.type == "cuda"
+    return {"read_ahead": on_gpu, "pin_memory": on_gpu}
