@@ -2,8 +2,9 @@
 
 The multi-process cases run ``workers/tensor_parallel_worker.py`` under torchrun (gloo, CPU):
 it compares the loss, the logits and every parameter's gradient of the tensor-parallel model
-with those of the same model in one process, over two training steps (causal, then packed
-documents), and writes the differences to a JSON file.
+with those of the same model in one process, over four training steps (causal, then packed
+documents; with the full logits, then with the training loop's loss parallelism), and writes
+the differences to a JSON file.
 """
 
 from __future__ import annotations
@@ -42,11 +43,20 @@ def check_matches_one_process(report: dict) -> None:
     assert not report["any_rank_failed"]
     assert report["same_names"]  # checkpoints address parameters by the same names
     assert report["all_dtensor"]
-    assert [step["documents"] for step in report["steps"]] == [False, True]
+    assert [(step["documents"], step["in_loop"]) for step in report["steps"]] == [
+        (False, False),
+        (True, False),
+        (False, True),
+        (True, True),
+    ]
     for step in report["steps"]:
         assert step["loss_excess"] == step["logits_excess"] == step["norm_excess"] == 0.0
         assert step["loss"][0] == pytest.approx(step["loss"][1], abs=1e-5)
-        assert step["logits_type"] == "Tensor"  # full logits, a plain tensor: losses need not know
+        assert step["loss_type"] == "Tensor"
+        if step["in_loop"]:
+            check_loss_parallel(step, report["vocab"])
+        else:
+            assert step["logits_type"] == "Tensor"  # full logits, a plain tensor: evaluation need not know
         assert step["logits_max_abs"] < 1e-5
         # Gradients are O(1e-2): the worker's tolerance is 1e-5 + 1e-4 relative; they agree far closer.
         assert step["grad_max"] > 1e-3
@@ -54,6 +64,18 @@ def check_matches_one_process(report: dict) -> None:
         assert set(step["grad_excess"].values()) == {0.0}
         assert step["missing_grads"] == []
     assert "tp = 2" in report["short_sequence_error"]
+
+
+def check_loss_parallel(step: dict, vocab: int) -> None:
+    """The training loop's loss under tp = 2: the logits reach it split over the vocabulary, a
+    DTensor sharded on its last dimension holding this rank's half, never the full logits."""
+    assert step["logits_type"] == "DTensor"
+    [seen] = step["loss_inputs"]  # one call of the loss
+    assert seen["type"] == "DTensor"
+    assert seen["placements"] == "(Shard(dim=2),)"
+    assert seen["shape"][-1] == vocab
+    assert seen["local_shape"][:2] == seen["shape"][:2]
+    assert seen["local_shape"][-1] == (vocab + 1) // 2 or seen["local_shape"][-1] == vocab // 2
 
 
 def test_tp2_matches_one_process_with_tied_embeddings_and_uneven_vocab(tmp_path: Path) -> None:

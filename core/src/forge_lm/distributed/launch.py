@@ -129,20 +129,35 @@ def init_distributed(launch: Launch, device: torch.device, timeout_s: float = 60
     JOINED = True
 
 
-def shutdown_distributed(wait_for_all: bool = False) -> None:
-    """Leave the process group :func:`init_distributed` created, if it did.
+def shutdown_distributed(wait_for_all: bool = False, release: Callable[[], None] | None = None) -> None:
+    """Leave the process group :func:`init_distributed` created, if it did, in this order:
 
-    ``wait_for_all``: first wait until every rank is here, so that no rank tears down its
-    connections while another still finishes a transfer to it (the last pipeline sends are
-    asynchronous). Only for stops every rank makes together: a rank failing alone would wait
-    for ranks that never come.
+    1. ``wait_for_all``: wait until every rank is here, so that no rank tears down its
+       connections while another still finishes a transfer to it (the last pipeline sends are
+       asynchronous). Only for stops every rank makes together: a rank failing alone would
+       wait for ranks that never come.
+    2. ``release``: drop what holds a subgroup or its transfers (the pipeline's stages and
+       schedules), so that nothing keeps a group object alive past step 3: one still
+       referenced is destroyed later, in the interpreter's finalization, where torch can
+       abort ("terminate called without an active exception").
+    3. destroy the process group.
+
+    The group is destroyed exactly once: a second call (or a call in a process that did not
+    create it) only runs ``release``. Steps 2 and 3 run even when the barrier fails (a rank
+    that died), and its error is raised after them.
     """
     global _OWNED_GROUP
-    if _OWNED_GROUP and dist.is_initialized():
-        if wait_for_all:
+    owned, _OWNED_GROUP = _OWNED_GROUP and dist.is_initialized(), False  # cleared first: once, whatever fails
+    try:
+        if owned and wait_for_all:
             dist.barrier()
-        dist.destroy_process_group()
-    _OWNED_GROUP = False
+    finally:
+        try:
+            if release is not None:
+                release()
+        finally:
+            if owned:
+                dist.destroy_process_group()
 
 
 def exit_process(code: int) -> NoReturn:

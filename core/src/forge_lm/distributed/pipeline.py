@@ -161,6 +161,7 @@ class PipelineRunner:
       optionally ``document_ids``); returns the mean loss on the last stage, 0.0 on the
       others. Gradients are those of the mean loss over the micro-batches, accumulated into
       the stage's ``.grad`` (the caller zeroes them).
+    - ``.close()``: drop the schedules, stages and group before the process group is destroyed.
     - ``.eval_loss(batch) -> float``: the loss of one batch, forward only (0.0 on stages other
       than the last).
 
@@ -200,6 +201,15 @@ class PipelineRunner:
         """Take the loss function; call after the model transforms, before the first step."""
         self._loss_fn = loss_fn
         self._schedules.clear()  # built against the transformed module from here on
+
+    def close(self) -> None:
+        """Drop the schedules, their stages and the pipeline group: the run's teardown calls this
+        before destroying the process group (:func:`forge_lm.distributed.launch.shutdown_distributed`),
+        so that nothing of the pipeline still holds a group or a transfer when the groups go,
+        even while an exception's traceback keeps this runner alive."""
+        self._schedules.clear()
+        self._data_losses.clear()
+        self.group = None
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
         if len(micro_batches) != self.microbatches:

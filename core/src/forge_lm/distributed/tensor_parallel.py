@@ -14,8 +14,15 @@ One forward pass on ``tp`` ranks, for a batch ``[B, T]`` that every rank of the 
   (row parallel) and its partial sums are reduce-scattered back to ``[B, T / tp, dim]``.
   ``ffn_norm`` and the feed-forward layer the same way, by the layer's own plan (below).
 - ``norm`` on the local tokens; the ``output`` head is split by vocabulary: it gathers the
-  sequence, computes this rank's slice of the vocabulary and gathers the logits, so every
-  rank returns the full ``[B, T, vocab]`` and the loss is computed as in one process.
+  sequence and computes this rank's slice of the vocabulary, a DTensor ``[B, T, vocab]``
+  sharded on its last dimension. Inside :func:`loss_parallel_for`'s region (the training
+  step, when the loss is a :class:`~forge_lm.losses.vocab_parallel.VocabParallelLoss`) the
+  model returns that DTensor and the loss is computed on the slices (loss parallelism:
+  all-reduces of ``[B, T]`` values instead of an all-gather of the logits, and no rank holds
+  the full logits or their gradient). Everywhere else (evaluation, evaluators, generation, a
+  pipeline's last stage, a loss that needs the whole vocabulary, such as the z-loss) the head
+  gathers the logits and every rank returns the full ``[B, T, vocab]`` as a plain tensor,
+  so those callers compute as in one process.
 
 Per block that is two all-gathers and two reduce-scatters forward, and the same backward.
 The gradient of every parameter is that of one process: split weights get the gradient of
@@ -52,12 +59,13 @@ inside a collective; token-by-token generation therefore needs ``tp = 1``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -65,11 +73,13 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
 from forge_lm.distributed.transforms import ModelTransform, TransformContext, transformer_blocks
 from forge_lm.errors import ConfigError, ForgeError
+from forge_lm.losses.vocab_parallel import VocabParallelLoss
 
 # Blocks are called as block(x, cos, sin, mask, is_causal, kv_cache) and call their attention
 # the same way: only x is sharded; the RoPE tables, the mask and the cache describe the full
@@ -85,9 +95,47 @@ def _model_plan() -> dict[str, ParallelStyle]:
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        # Full logits as a plain tensor: losses and evaluation need no knowledge of the split.
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+        # The logits stay split over the vocabulary, a DTensor: a loss inside loss_parallel_for's
+        # region takes them so; _full_logits gathers them for every other caller.
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
+
+
+# Whether the current forward is inside loss_parallel_for's region. A plain flag, not a
+# context variable: the head's hook reads it in the thread that runs the step, and it is
+# set and reset around that step only.
+_keep_logits_split = False
+
+
+@contextlib.contextmanager
+def _split_logits_region() -> Iterator[None]:
+    global _keep_logits_split
+    if _keep_logits_split:
+        raise ForgeError("loss_parallel_for's regions cannot be nested.")
+    _keep_logits_split = True
+    try:
+        with loss_parallel():  # the loss's forward and its backward both run in here
+            yield
+    finally:
+        _keep_logits_split = False
+
+
+def loss_parallel_for(tp: int, loss_fn: Any) -> contextlib.AbstractContextManager:
+    """The region to run a training step's forward, loss and backward in: with ``tp > 1`` and a
+    :class:`~forge_lm.losses.vocab_parallel.VocabParallelLoss`, the model's head hands the
+    loss its logits sharded on the vocabulary dimension and ``loss_parallel()`` computes the
+    loss and its gradient on the shards; otherwise nothing changes (full logits)."""
+    if tp > 1 and isinstance(loss_fn, VocabParallelLoss):
+        return _split_logits_region()
+    return contextlib.nullcontext()
+
+
+def _full_logits(module: nn.Module, args: Any, logits: Any) -> Any:
+    """The head's output outside loss_parallel_for's region: the logits gathered over the
+    vocabulary, a plain tensor (the gradient of each rank's slice flows back to it)."""
+    if _keep_logits_split or not isinstance(logits, DTensor):
+        return logits
+    return logits.redistribute(placements=(Replicate(),), async_op=True).to_local()
 
 
 def _block_plan() -> dict[str, ParallelStyle]:
@@ -202,6 +250,8 @@ def _apply(model: nn.Module, context: TransformContext) -> None:
         parallelize_module(block, mesh, _block_plan())
         parallelize_module(block.feed_forward, mesh, ffn_plan)
     _stage_boundaries(model, blocks, mesh)
+    if output is not None:  # registered after the style's own hook, so it sees the split logits
+        output.register_forward_hook(_full_logits)
     if tied:
         # Both modules got their own copy; one Shard(0) DTensor serves both (module docstring).
         output.weight = embedding.weight

@@ -16,6 +16,12 @@ backward, a small cost next to the output projection that produced the logits. T
 with respect to the logits is still a full ``[tokens, vocab]`` tensor, in the logits' own
 dtype (briefly twice, while the chunks' gradients are joined); avoiding that too needs the
 output projection fused into the loss.
+
+Under tensor parallelism this loss takes the full logits, gathered over the vocabulary: its
+per-chunk ``logsumexp`` and ``gather`` inside a checkpoint are not operations that
+:func:`torch.distributed.tensor.parallel.loss_parallel` distributes, so it is not a
+:class:`~forge_lm.losses.vocab_parallel.VocabParallelLoss`. ``cross_entropy`` without a
+z-loss is; it keeps the logits split instead.
 """
 
 from __future__ import annotations

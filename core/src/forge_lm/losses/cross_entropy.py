@@ -7,6 +7,9 @@ probabilities themselves unchanged. The returned value, the objective that is
 backpropagated, includes the weighted z-loss; the weighted term is reported with
 :func:`forge_lm.losses.aux.report_loss_term` as ``z_loss``, so the logged ``loss``,
 ``eval/loss`` and perplexity are the cross-entropy alone and the z-loss is logged apart.
+
+Under tensor parallelism the loss without z-loss takes the logits split over the vocabulary
+(:mod:`forge_lm.losses.vocab_parallel`); with a z-loss it takes the full logits.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 
 from forge_lm.components import IGNORE_INDEX
 from forge_lm.losses.aux import report_loss_term
+from forge_lm.losses.vocab_parallel import VocabParallelLoss
 
 
 def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -66,4 +70,9 @@ def build_cross_entropy(options: Any) -> Any:
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return cross_entropy(logits, labels, weight)
 
+    if weight == 0:
+        # F.cross_entropy alone: loss parallelism computes it from vocabulary-sharded logits.
+        return VocabParallelLoss(loss_fn)
+    # The z-loss's logsumexp and gather over the vocabulary are not operations loss_parallel
+    # distributes: with a z-loss, tensor parallelism gathers the full logits for the loss.
     return loss_fn

@@ -2,6 +2,8 @@
 
 :func:`end_run` runs from the loop's ``finally``: ``train_end``, the metrics backends' finish
 and the checkpoint writer's close, none of which may replace the exception that ended the run.
+:class:`Teardown` runs last, from :func:`~forge_lm.train.loop.train`'s ``finally``: the barrier,
+the pipeline's release and the process group's destruction, in that order, exactly once.
 :func:`stop_for_plugin` decides, after a plugin's training hook raised, whether the last step
 is checkpointed first, and says what is intact (the policy is in :mod:`forge_lm.hookspecs`).
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -17,6 +20,8 @@ import torch.distributed as dist
 from forge_lm.checkpoint import CheckpointManager
 from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed import ParallelDims
+from forge_lm.distributed.launch import shutdown_distributed
+from forge_lm.distributed.pipeline import PipelineRunner
 from forge_lm.errors import ForgeError
 from forge_lm.plugins import PluginManager, PluginStatus
 from forge_lm.plugins._calls import PluginHookFailed, describe
@@ -78,6 +83,46 @@ def end_run(
         _warn(f"the checkpoint being written in the background did not finish: {describe(exc)}")
     if interrupted is not None and status == "completed":
         raise interrupted
+
+
+class Teardown:
+    """The end of this process's part in a run, in one fixed order, whatever ended it.
+
+    By the time :meth:`close` runs, the run's background work has finished in the loop: the
+    data loader's read-ahead thread was closed, :func:`end_run` closed the checkpoint writer
+    (joining a save still being written) and finished the metrics backends, and the hang
+    watchdog's thread, the preemption watcher and the profiler were stopped by their ``with``
+    blocks. No thread of the run is left to use the process group while it goes. Then
+    (:func:`~forge_lm.distributed.launch.shutdown_distributed`):
+
+    1. a barrier, when every rank stops together (``together``: a completed run, a preemption,
+       a non-finite loss); not when this rank alone failed, which would wait for ranks that
+       never come;
+    2. the release of what :meth:`hold` was given (the pipeline's schedules and stages);
+    3. the destruction of the process group.
+
+    :meth:`close` acts once; a second call does nothing.
+    """
+
+    def __init__(self) -> None:
+        self._releases: list[Callable[[], None]] = []
+        self.closed = False
+
+    def hold(self, pipeline: PipelineRunner | None) -> None:
+        """Release ``pipeline`` (when there is one) before the process group is destroyed."""
+        if pipeline is not None:
+            self._releases.append(pipeline.close)
+
+    def close(self, *, together: bool) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        shutdown_distributed(wait_for_all=together, release=self._release)
+
+    def _release(self) -> None:
+        releases, self._releases = self._releases, []
+        for release in releases:
+            release()
 
 
 def stop_for_plugin(

@@ -5,9 +5,13 @@
 
 Every rank builds the same initial model (same seed) twice: one copy goes through Forge's model
 transforms, the other stays whole as the reference, which runs the global batch (every
-data-parallel rank's slice). Two training steps, the first causal, the second with packed
-documents (``document_ids``), an SGD update between them. Each step compares this rank's loss
-and logits with the reference's on the same rows, every parameter's gradient (gathered with
+data-parallel rank's slice). Four training steps, causal then with packed documents
+(``document_ids``), an SGD update after each: the first two with the full logits and
+``F.cross_entropy``, as evaluation and any loss outside the training step see them; the last
+two as the training loop computes its loss, with the registry's ``cross_entropy`` inside
+``loss_parallel_for`` (loss parallelism), recording what reaches the loss (under tp a DTensor
+split over the vocabulary, never the full logits). Each step compares this rank's loss and
+logits with the reference's on the same rows, every parameter's gradient (gathered with
 ``full_tensor()``) with the reference's, and the global gradient norm. Then a sequence that
 tp does not divide must be refused. Rank 0 writes the largest differences to RESULT.json;
 every rank exits 1 if any exceeds the tolerance.
@@ -40,9 +44,12 @@ from forge_lm.distributed import (
 )
 from forge_lm.distributed.grads import clip_grad_norm
 from forge_lm.distributed.launch import exit_process
+from forge_lm.distributed.tensor_parallel import loss_parallel_for
 from forge_lm.errors import ForgeError
+from forge_lm.losses.vocab_parallel import VocabParallelLoss
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
+from forge_lm.train.components import build
 
 BATCH = 4  # global batch: split over the data-parallel ranks
 ATOL, RTOL = 1e-5, 1e-4  # fp32; the model's values are O(1), gradients O(1e-2)
@@ -88,6 +95,23 @@ def two_stages(model: nn.Module) -> list[nn.Module]:
     return [first, second]
 
 
+def recording(loss_fn: VocabParallelLoss, seen: list[dict]) -> VocabParallelLoss:
+    """``loss_fn`` (still declaring loss parallelism), noting what each call's logits are."""
+
+    def record(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        seen.append(
+            {
+                "type": type(logits).__name__,
+                "placements": str(logits.placements) if isinstance(logits, DTensor) else None,
+                "shape": list(logits.shape),
+                "local_shape": list(logits.to_local().shape if isinstance(logits, DTensor) else logits.shape),
+            }
+        )
+        return loss_fn.loss_fn(logits, labels)
+
+    return VocabParallelLoss(record)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("result")
@@ -125,6 +149,7 @@ def main() -> int:
         "applied": applied[0],  # the same for every stage
         "dims": dims.describe(),
         "stages": len(parts),
+        "vocab": args.vocab,
         "tied_before": tied,
         "tied_after": not args.stages and model.output.weight is model.tok_embeddings.weight,
         "same_names": [name for name, _ in parameters] == [name for name, _ in reference.named_parameters()],
@@ -135,12 +160,21 @@ def main() -> int:
     optimizer = torch.optim.SGD([p for _, p in parameters], lr=LR)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     seq = config.train.seq_len
-    for step, documents in enumerate((False, True)):
+    train_loss = build(manager.registry, "losses", config.loss)  # cross_entropy, as the loop builds it
+    for step, (documents, in_loop) in enumerate(((False, False), (True, False), (False, True), (True, True))):
         ids, labels, document_ids = batch(step, args.vocab, seq, documents)
         local_docs = document_ids[rows] if document_ids is not None else None
-        logits = forward(ids[rows], local_docs)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels[rows].flatten())
-        loss.backward()
+        seen: list[dict] = []
+        if in_loop:  # the training loop's way (forge_lm.train.loop._train_step)
+            loss_fn = recording(train_loss, seen)
+            with loss_parallel_for(dims.tp, loss_fn):
+                logits = forward(ids[rows], local_docs)
+                loss = loss_fn(logits, labels[rows])
+                loss.backward()
+        else:
+            logits = forward(ids[rows], local_docs)
+            loss = F.cross_entropy(logits.flatten(0, 1), labels[rows].flatten())
+            loss.backward()
         norm = clip_grad_norm([p for _, p in parameters], 0)
 
         ref_logits = reference(ids, document_ids)
@@ -158,11 +192,14 @@ def main() -> int:
         }
         found = {
             "documents": documents,
+            "in_loop": in_loop,
+            "loss_inputs": seen,
+            "loss_type": type(loss).__name__,
             "loss": [loss.item(), ref_local_loss.item()],
             "loss_excess": difference(loss, ref_local_loss),
             "logits_type": type(logits).__name__,
-            "logits_excess": difference(logits, ref_logits[rows]),
-            "logits_max_abs": max_abs(logits, ref_logits[rows]),
+            "logits_excess": difference(full(logits), ref_logits[rows]),
+            "logits_max_abs": max_abs(full(logits), ref_logits[rows]),
             "grad_excess": {n: difference(got, want) for n, (got, want) in grads.items()},
             "grad_max_abs": max(max_abs(got, want) for got, want in grads.values()),
             "grad_max": max(want.abs().max().item() for _, want in grads.values()),
@@ -188,12 +225,15 @@ def main() -> int:
     if dims.tp > 1 and report["short_sequence_error"] is None:
         failures.append("a sequence that tp does not divide was not refused")
     for found in report["steps"]:
-        where = "documents" if found["documents"] else "causal"
+        where = ("documents" if found["documents"] else "causal") + (" in the loop's way" if found["in_loop"] else "")
         failures += [f"{where}: {key}" for key in ("loss_excess", "logits_excess", "norm_excess") if found[key] > 0]
         failures += [f"{where}: grad {n}" for n, excess in found["grad_excess"].items() if excess > 0]
         failures += [f"{where}: no grad {n}" for n in found["missing_grads"]]
-        if found["logits_type"] != "Tensor":
-            failures.append(f"{where}: logits are a {found['logits_type']}, not a plain Tensor")
+        split = found["in_loop"] and dims.tp > 1  # loss parallelism: the logits stay split
+        if found["logits_type"] != ("DTensor" if split else "Tensor"):
+            failures.append(f"{where}: logits are a {found['logits_type']} (loss parallelism: {split})")
+        if found["loss_type"] != "Tensor":
+            failures.append(f"{where}: the loss is a {found['loss_type']}, not a plain Tensor")
     # Every rank checks its own rows; the ranks agree on the outcome.
     flag = torch.tensor([float(bool(failures))])
     dist.all_reduce(flag)
