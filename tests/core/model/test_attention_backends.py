@@ -1,0 +1,230 @@
+"""Packed documents through FlexAttention's block mask against SDPA's dense mask, and which one
+each device gets (``[model] attention_backend``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as flex_module
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
+from torch.nn.attention.flex_attention import BlockMask
+
+from forge_lm.config import load_config
+from forge_lm.errors import ConfigError, ForgeError
+from forge_lm.model import attention
+from forge_lm.model.attention import Attention, attention_mask, document_block_mask, uses_flex
+
+from .conftest import VOCAB
+from .test_transformer import reference_logits
+
+# Eager FlexAttention (CPU) warns once that it is unfused; that is the point of these tests.
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+EPS = torch.finfo(torch.float32).eps
+SEQ = 150  # more than one 128-token tile, and not a multiple of it: full, partial and padded tiles
+CPU = torch.device("cpu")
+
+
+def assert_within_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int) -> None:
+    """``|actual - expected| <= ulps`` float32 ulps of the largest ``|expected|``."""
+    torch.testing.assert_close(actual, expected, rtol=0, atol=ulps * EPS * expected.abs().max().item())
+
+
+def packed_documents() -> torch.Tensor:
+    """``[3, SEQ]``: documents of 40 tokens (boundaries inside and across tiles); a boundary in
+    the second tile only; one document (its row needs no mask, the batch still does)."""
+    positions = torch.arange(SEQ)
+    return torch.stack([positions // 40, (positions >= 130).long(), torch.full((SEQ,), 5)])
+
+
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch refuses FlexAttention's backward on CPU (its fused backward is for CUDA), and so does
+    Forge (:func:`attention.check_flex_backward`); torch's eager backward itself runs on CPU. Lift
+    both refusals so that the flex path's gradients can be compared with SDPA's here."""
+    validate = flex_module._validate_device
+    monkeypatch.setattr(flex_module, "_validate_device", lambda q, k, v: validate(q.detach(), k.detach(), v.detach()))
+    monkeypatch.setattr(attention, "check_flex_backward", lambda query: None)
+
+
+@pytest.fixture
+def fresh_compiled_cache():
+    """The compiled functions are cached per process; a test that fakes torch.compile starts and
+    ends with an empty cache, so neither it nor later tests see another test's wrappers."""
+    attention._compiled.cache_clear()
+    yield
+    attention._compiled.cache_clear()
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.grad for name, param in model.named_parameters()}
+
+
+ARCHITECTURES = {
+    "mha": {},
+    "gqa-2-kv-heads": {"n_kv_heads": 2},
+    "mqa-qk-norm": {"n_kv_heads": 1, "qk_norm": True},
+}
+
+
+@pytest.mark.usefixtures("flex_backward_on_cpu")
+@pytest.mark.parametrize("fields", ARCHITECTURES.values(), ids=ARCHITECTURES.keys())
+def test_flex_logits_and_gradients_equal_the_sdpa_mask(make_model, fields):
+    """Tolerance: 8 float32 ulps of the largest logit, 16 of each parameter's largest gradient
+    (measured: at most 5 and 9; a wrong mask or head mapping moves them by whole units)."""
+    sdpa = make_model(attention_backend="sdpa", max_seq_len=SEQ, **fields).train()
+    flex = make_model(attention_backend="flex", max_seq_len=SEQ, **fields).train()
+    documents = packed_documents()
+    assert isinstance(attention_mask(documents, 0, SEQ, CPU, "flex")[0], BlockMask)
+    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(5))
+    labels = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(6))
+    logits = {}
+    for name, model in (("sdpa", sdpa), ("flex", flex)):
+        logits[name] = model(ids, documents)
+        F.cross_entropy(logits[name].flatten(0, 1), labels.flatten()).backward()
+    assert_within_ulps(logits["flex"], logits["sdpa"], 8)
+    expected = grads(sdpa)
+    for name, grad in grads(flex).items():
+        assert_within_ulps(grad, expected[name], 16)
+    # The mask did cut attention: the packed rows differ from the same tokens without documents.
+    assert not torch.allclose(logits["flex"][0], sdpa(ids)[0], atol=1e-3)
+
+
+def test_flex_document_mask_matches_the_written_out_reference(make_model):
+    """Independent of SDPA: the float64 per-token reference of test_transformer."""
+    model = make_model(attention_backend="flex", n_kv_heads=2)
+    documents = [0, 0, 0, 1, 1, 2, 2, 2, 2]
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = model(ids, torch.tensor([documents]))
+    assert torch.allclose(logits[0].double(), reference_logits(model, ids[0].tolist(), documents), atol=2e-5, rtol=0)
+
+
+@pytest.mark.usefixtures("flex_backward_on_cpu")
+def test_a_one_document_block_mask_is_causal_attention():
+    """One document per row: the block mask gives SDPA's causal attention, outputs and input
+    gradients (GQA, 4 query heads on 2 key/value heads), within 8 ulps."""
+    torch.manual_seed(0)
+    layer = Attention(dim=32, n_heads=4, n_kv_heads=2, layer_index=0)
+    x = torch.randn(2, SEQ, 32, requires_grad=True)
+    cos, sin = torch.randn(SEQ, 8), torch.randn(SEQ, 8)
+    block_mask = document_block_mask(torch.tensor([[3] * SEQ, [7] * SEQ]))
+    out_flex = layer(x, cos, sin, block_mask, False)
+    (grad_flex,) = torch.autograd.grad(out_flex.square().sum(), x)
+    out_sdpa = layer(x, cos, sin, None, True)
+    (grad_sdpa,) = torch.autograd.grad(out_sdpa.square().sum(), x)
+    assert_within_ulps(out_flex, out_sdpa, 8)
+    assert_within_ulps(grad_flex, grad_sdpa, 8)
+    # A model never builds it: batches of one document per row take SDPA's causal kernel on any backend.
+    assert attention_mask(torch.tensor([[3] * SEQ, [7] * SEQ]), 0, SEQ, CPU, "flex") == (None, True)
+
+
+def counting(calls: list[str], name: str, function):
+    def count(*args, **kwargs):
+        calls.append(name)
+        return function(*args, **kwargs)
+
+    return count
+
+
+@pytest.mark.parametrize(("backend", "block_masks", "flex_calls"), [("flex", 1, 4), ("sdpa", 0, 0)])
+def test_the_block_mask_is_built_once_per_forward_and_shared_by_every_layer(
+    make_model, monkeypatch, backend, block_masks, flex_calls
+):
+    calls: list[str] = []
+    monkeypatch.setattr(attention, "create_block_mask", counting(calls, "mask", attention.create_block_mask))
+    monkeypatch.setattr(attention, "flex_attention", counting(calls, "flex", attention.flex_attention))
+    model = make_model(attention_backend=backend, n_layers=4, max_seq_len=SEQ)
+    ids = torch.zeros(3, SEQ, dtype=torch.long)
+    with torch.no_grad():
+        for forward in (1, 2):
+            model(ids, packed_documents())
+            assert calls.count("mask") == forward * block_masks
+            assert calls.count("flex") == forward * flex_calls
+
+
+@pytest.mark.usefixtures("fresh_compiled_cache")
+def test_on_cuda_auto_selects_the_compiled_flex_functions_once(make_model, monkeypatch):
+    """With the device check saying CUDA, ``auto`` compiles ``create_block_mask`` and
+    ``flex_attention`` once per process and calls the compiled wrappers (here stand-ins that run
+    the eager functions, so the logits can still be compared with SDPA's on CPU)."""
+    compiled: list[object] = []
+    calls: list[str] = []
+    real_compile = torch.compile
+
+    def fake_compile(function, **options):
+        if options:  # eager flex_attention itself runs through torch.compile(..., backend=<eager>)
+            return real_compile(function, **options)
+        compiled.append(function)
+        return counting(calls, function.__name__, function)
+
+    monkeypatch.setattr(attention, "is_cuda", lambda device: True)
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model = make_model(attention_backend="auto", max_seq_len=SEQ)
+    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        for _ in range(2):
+            logits = model(ids, packed_documents())
+        expected = make_model(attention_backend="sdpa", max_seq_len=SEQ)(ids, packed_documents())
+    assert compiled == [flex_module.create_block_mask, flex_module.flex_attention]
+    assert calls.count("create_block_mask") == 2
+    assert calls.count("flex_attention") == 2 * model.config.n_layers
+    assert attention.flex_function(CPU) is not flex_module.flex_attention  # the compiled one
+    assert_within_ulps(logits, expected, 8)
+
+
+@pytest.mark.parametrize(
+    ("backend", "cuda", "expected"),
+    [("auto", True, True), ("auto", False, False), ("sdpa", True, False), ("flex", False, True)],
+)
+def test_auto_means_flex_on_cuda_and_sdpa_elsewhere(monkeypatch, backend, cuda, expected):
+    monkeypatch.setattr(attention, "is_cuda", lambda device: cuda)
+    assert uses_flex(backend, CPU) is expected
+
+
+def test_on_cpu_the_eager_flex_function_is_used():
+    assert attention.flex_function(CPU) is flex_module.flex_attention
+
+
+def test_training_through_flex_on_cpu_is_refused_with_the_fix(make_model):
+    model = make_model(attention_backend="flex", max_seq_len=SEQ).train()
+    ids = torch.zeros(3, SEQ, dtype=torch.long)
+    with pytest.raises(ForgeError, match=r"attention_backend = 'flex' cannot train on cpu.*Use 'auto' or 'sdpa'"):
+        model(ids, packed_documents())
+    with torch.no_grad():
+        model(ids, packed_documents())  # evaluation works
+
+
+def test_an_unknown_backend_is_refused_naming_the_choices(manager):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["--model.attention_backend=flash"], manager.registry)
+    assert str(info.value) == "[model] attention_backend: must be one of 'auto', 'sdpa', 'flex', got 'flash'."
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_block_takes_each_forwards_new_block_mask_without_recompiling(make_model):
+    """``[train] compile`` compiles each block, which then receives a new BlockMask (a new
+    ``mask_mod`` closure over new document ids) every step: one graph, no graph break and no
+    recompilation, or every step would compile again. Dynamo's counting backend stands in for
+    inductor (the same tracing and guards, without code generation)."""
+    model = make_model(attention_backend="flex")
+    expected = make_model(attention_backend="sdpa")
+    counter = CompileCounter()
+    for block in model.layers:
+        block.compile(backend=counter)
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        for length in (7, 11, 16):
+            documents = (torch.arange(40) // length).expand(2, 40)
+            assert_within_ulps(model(ids, documents), expected(ids, documents), 8)
+    assert counter.frame_count == 1
+    assert not counters["graph_break"]
