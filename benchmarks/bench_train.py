@@ -53,8 +53,10 @@ from _record import alternate, median, save
 from forge_lm.config import load_config, to_data
 from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed.reduce import agree_on_step
-from forge_lm.metrics.mfu import cpu_peak_flops, mfu
+from forge_lm.metrics.mfu import CPUINFO_PATH, cpu_peak_flops, mfu, parse_cpuinfo, theoretical_cpu_peak
 from forge_lm.model import build_model
+from forge_lm.model.linear import kernel as linear_kernel
+from forge_lm.model.linear import onednn_available
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.train import loop
 from forge_lm.train.components import build, build_dataset
@@ -66,14 +68,16 @@ from forge_lm.train.components import build, build_dataset
 
 def matmul_peaks(sizes: tuple[int, ...], budget_s: float) -> list[dict[str, Any]]:
     """FLOP/s of the matmul kernels training can use, per size (best of 3 after a warm-up):
-    ``torch.mm`` in fp32 and in bf16, and ``F.linear`` under bf16 autocast (on CPU a oneDNN
-    kernel, which can be far faster than ``torch.mm`` in bf16). A size whose one matmul takes
-    more than ``budget_s`` ends that kernel's series (bf16 without bf16 hardware)."""
+    ``torch.mm`` in fp32 (MKL's sgemm) and in bf16, ``F.linear`` under bf16 autocast (on CPU a
+    oneDNN kernel), and the oneDNN fp32 product Forge's linear layers take. A size whose one
+    matmul takes more than ``budget_s`` ends that kernel's series (bf16 without bf16 hardware)."""
     kernels: dict[str, tuple[torch.dtype, Callable[[torch.Tensor, torch.Tensor], Any]]] = {
         "torch.mm fp32": (torch.float32, torch.mm),
         "torch.mm bf16": (torch.bfloat16, torch.mm),
         "F.linear bf16 autocast": (torch.float32, _linear_bf16),
     }
+    if onednn_available():  # the fp32 product of Forge's linear layers (forge_lm.model.linear)
+        kernels["oneDNN linear fp32"] = (torch.float32, torch.ops.forge.onednn_linear)
     rows = []
     for kernel, (dtype, function) in kernels.items():
         for size in sizes:
@@ -92,6 +96,52 @@ def matmul_peaks(sizes: tuple[int, ...], budget_s: float) -> list[dict[str, Any]
             if best >= budget_s:
                 break
     return rows
+
+
+def linear_products(tokens: int, dim_in: int, dim_out: int, repeats: int = 5) -> list[dict[str, Any]]:
+    """GFLOP/s of the three products of one fp32 linear layer (``tokens`` x ``dim_in`` ->
+    ``dim_out``: forward, input gradient, weight gradient) on MKL (``torch.mm``, what
+    ``F.linear`` takes) and on oneDNN (what Forge's layers take): where the speed-up comes from."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, dim_in, generator=generator)
+    w = torch.randn(dim_out, dim_in, generator=generator)
+    g = torch.randn(tokens, dim_out, generator=generator)
+    onednn = torch.ops.mkldnn._linear_pointwise if onednn_available() else None
+    products = {
+        "forward x @ W.T": (lambda: torch.mm(x, w.t()), lambda: onednn(x, w, None, "none", [], "")),
+        "input gradient g @ W": (lambda: torch.mm(g, w), lambda: onednn(g, w.t(), None, "none", [], "")),
+        "weight gradient g.T @ x": (lambda: torch.mm(g.t(), x), lambda: onednn(g.t(), x.t(), None, "none", [], "")),
+    }
+    rows = []
+    flop = 2 * tokens * dim_in * dim_out
+    for product, (mkl, dnn) in products.items():
+        row: dict[str, Any] = {"product": product, "shape": f"{tokens}x{dim_in}->{dim_out}"}
+        for name, run in (("mkl_gflop_per_s", mkl), ("onednn_gflop_per_s", dnn if onednn else None)):
+            if run is None:
+                row[name] = None
+                continue
+            run()
+            best = math.inf
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - start)
+            row[name] = flop / best / 1e9
+        row["x_mkl"] = row["onednn_gflop_per_s"] / row["mkl_gflop_per_s"] if onednn else None
+        rows.append(row)
+    return rows
+
+
+def cpu_features() -> dict[str, Any]:
+    """What the CPU has for matrix products, from /proc/cpuinfo's flags (empty off Linux)."""
+    try:
+        processors = parse_cpuinfo(CPUINFO_PATH.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return {}
+    first = processors[0] if processors else {}
+    flags = set(first.get("flags", "").split())
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"model": first.get("model name", "unknown"), **{flag: flag in flags for flag in wanted}}
 
 
 def _linear_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -147,7 +197,8 @@ class ForgeSide:
         """Tokens/s of ``steps`` steps of the training loop's body (``forge_lm.train.loop.train``)."""
         config, context, optimizer = self.config, self.context, self.optimizer
         start = time.perf_counter()
-        with quiet():
+        # The linear kernel is a process-wide switch that _build set for the last side built.
+        with quiet(), linear_kernel(config.train.cpu_linear_kernel):
             for _ in range(steps):
                 lr = optimizer.param_groups[0]["lr"]
                 local_loss, norm, reports = loop._train_step(self.parts, self.batches, config)
@@ -192,7 +243,8 @@ class ForgeSide:
 
 
 class PlainSide:
-    """A hand-written loop over a copy of Forge's model and the same batches as plain tensors."""
+    """A hand-written loop over a copy of Forge's model and the same batches as plain tensors.
+    Its linear layers run as ``nn.Linear`` does (``F.linear``): the kernel switch is "aten"."""
 
     def __init__(
         self,
@@ -224,6 +276,10 @@ class PlainSide:
         self.first: tuple[float, float] | None = None
 
     def run(self, steps: int) -> float:
+        with linear_kernel("aten"):  # nn.Linear's own kernel: the model's layers are F.linear here
+            return self._run(steps)
+
+    def _run(self, steps: int) -> float:
         start = time.perf_counter()
         for _ in range(steps):
             i = self.index % len(self.inputs)
@@ -301,6 +357,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="train.device of both sides (default cpu)")
     parser.add_argument("--compile", action="store_true", help="add torch.compile rows (about a minute per model)")
+    parser.add_argument(
+        "--sizes", nargs="*", default=["4x", "16x"], help="larger models to add (4x, 16x the parameters; none: omit)"
+    )
     parser.add_argument("--no-bf16", action="store_true", help="leave out the bf16 autocast rows")
     parser.add_argument("--no-e2e", action="store_true", help="leave out the forge_lm.train.train() row")
     parser.add_argument("--no-plugin-autoload", action="store_true", help="only the core's built-in components")
@@ -308,80 +367,117 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true", help="print only; do not write results/train.json")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.warmup, args.steps = 2, 0, 2
+        args.rounds, args.warmup, args.steps, args.sizes = 2, 0, 2, []
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = PluginSettings(autoload=False) if args.no_plugin_autoload else PluginSettings.from_env()
 
-    print("measuring the matmul peak (torch.mm fp32 and bf16, F.linear under bf16 autocast) ...", flush=True)
+    print("measuring the matmul peak (torch.mm fp32 and bf16, bf16 autocast, oneDNN fp32) ...", flush=True)
     peaks = matmul_peaks((256, 512, 1024, 2048), budget_s=1.0 if not args.quick else 0.3)
     best = {name: max(r["gflop_per_s"] for r in peaks if name in r["kernel"]) * 1e9 for name in ("fp32", "bf16")}
-    machine_peak = max(best.values())
     for row in peaks:
         print(f"  {row['kernel']:24s} {row['size']:5d}  {row['gflop_per_s']:8.2f} GFLOP/s")
+    theoretical = {
+        name: theoretical_cpu_peak(dtype) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    }
+    features = cpu_features()
     bf16_slow = best["bf16"] < best["fp32"] / 2
     bf16_steps = args.bf16_steps or (max(1, args.steps // 5) if bf16_slow else args.steps)
 
     base = [f"--train.device={args.device}"]
     workdir = Path(tempfile.mkdtemp(prefix="forge-bench-train-"))
     sides: dict[str, Any] = {}
-    plans: dict[str, dict[str, Any]] = {}  # name -> {run, steps, loop, precision, baseline}
+    plans: dict[str, dict[str, Any]] = {}  # name -> {steps, loop, precision, baseline, how, kernel, flops}
 
-    def add(name: str, side: Any, steps: int, loop_name: str, precision: str, baseline: str, how: str) -> None:
+    def add(
+        name: str, side: Any, steps: int, loop_name: str, precision: str, baseline: str, how: str, linear: str,
+        flops: float | None = None,
+    ) -> None:  # fmt: skip
         sides[name] = side
-        plans[name] = {"steps": steps, "loop": loop_name, "precision": precision, "baseline": baseline, "how": how}
+        plans[name] = {
+            "steps": steps, "loop": loop_name, "precision": precision, "baseline": baseline, "how": how,
+            "linear": linear, "flops": flops if flops is not None else side.step_flops,
+        }  # fmt: skip
 
     def forge(tag: str, overrides: list[str], impl: str = "default") -> ForgeSide:
         return ForgeSide([*base, *overrides], workdir / tag, settings, impl)
 
+    onednn = "oneDNN fp32 (forge_lm.model.linear)" if onednn_available() else "torch (no oneDNN in this build)"
+    mkl = "F.linear (torch.mm's BLAS: MKL sgemm)"
+    bf16_kernel = "F.linear under bf16 autocast (oneDNN bf16)"
     print("building ...", flush=True)
     fp32 = forge("fp32", ["--train.precision=fp32"])
     batches = fp32.fresh_batches(32)
     default_adamw = "for-loop" if fp32.device.type == "cpu" else "foreach"  # what torch picks when not told
     add(
         "forge fp32", fp32, args.steps, "forge", "fp32", "plain fp32",
-        f"`forge train` defaults; AdamW as torch picks it ({default_adamw})",
+        f"`forge train` defaults; AdamW as torch picks it ({default_adamw})", onednn,
     )  # fmt: skip
     add(
         "plain fp32", PlainSide(fp32, batches), args.steps, "plain", "fp32", "plain fp32",
-        f"torch.optim.AdamW ({default_adamw}), F.cross_entropy, clip_grad_norm_",
+        f"torch.optim.AdamW ({default_adamw}), F.cross_entropy, clip_grad_norm_", mkl, fp32.step_flops,
+    )  # fmt: skip
+    add(
+        "forge fp32 aten kernel", forge("fp32-aten", ["--train.precision=fp32", "--train.cpu_linear_kernel=aten"]),
+        args.steps, "forge", "fp32", "plain fp32", "--train.cpu_linear_kernel=aten: Forge's overhead alone", mkl,
     )  # fmt: skip
     if not args.no_e2e:
         add(
             "forge train() fp32", None, args.steps, "forge train()", "fp32", "plain fp32",
-            "forge_lm.train.train(): a fresh run per round, its own logged tokens/s",
+            "forge_lm.train.train(): a fresh run per round, its own logged tokens/s", onednn, fp32.step_flops,
         )  # fmt: skip
     for impl in ("foreach", "fused"):
         add(
             f"forge fp32 AdamW {impl}",
             forge(f"fp32-{impl}", ["--train.precision=fp32"], impl),
-            args.steps, "forge", "fp32", "plain fp32", f"AdamW {impl}=True on the built optimizer",
+            args.steps, "forge", "fp32", "plain fp32", f"AdamW {impl}=True on the built optimizer", onednn,
         )  # fmt: skip
     add(
         "plain fp32 AdamW fused", PlainSide(fp32, batches, "fused"), args.steps, "plain", "fp32", "plain fp32",
-        "torch.optim.AdamW(fused=True)",
+        "torch.optim.AdamW(fused=True)", mkl, fp32.step_flops,
     )  # fmt: skip
     add(
         "plain fp32 causal only", PlainSide(fp32, batches, document_mask=False), args.steps, "plain", "fp32",
-        "plain fp32", "no document mask: SDPA is_causal (other semantics: attends across documents)",
+        "plain fp32", "no document mask: SDPA is_causal (other semantics: attends across documents)", mkl,
+        fp32.step_flops,
     )  # fmt: skip
+    # Larger models: the same config with a wider model (about 4x and 16x the parameters), so
+    # the overhead's growth with size shows. Fewer steps per block keep the rounds short.
+    for label, dim, heads, divisor in (("4x", 512, 8, 3), ("16x", 1024, 16, 6)):
+        if label not in args.sizes:
+            continue
+        grown = [f"--model.dim={dim}", f"--model.n_heads={heads}"]
+        side = forge(f"fp32-{label}", ["--train.precision=fp32", *grown])
+        steps = max(1, args.steps // divisor)
+        params = sum(p.numel() for p in side.model.parameters()) / 1e6
+        add(
+            f"forge fp32 {label}", side, steps, "forge", "fp32", f"plain fp32 {label}",
+            f"dim {dim}, {heads} heads ({params:.1f} M parameters)", onednn,
+        )  # fmt: skip
+        add(
+            f"plain fp32 {label}", PlainSide(side, side.fresh_batches(4)), steps, "plain", "fp32",
+            f"plain fp32 {label}", "the plain loop on that model", mkl, side.step_flops,
+        )  # fmt: skip
     bf16_batch = args.bf16_batch or (
         max(1, fp32.config.train.batch_size // 4) if bf16_slow else fp32.config.train.batch_size
     )
     if not args.no_bf16:
         bf16 = forge("bf16", ["--train.precision=bf16", f"--train.batch_size={bf16_batch}"])
         how = f"--train.precision=bf16, batch {bf16_batch}"
-        add("forge bf16", bf16, bf16_steps, "forge", "bf16", "plain bf16", how)
+        add("forge bf16", bf16, bf16_steps, "forge", "bf16", "plain bf16", how, bf16_kernel)
         add(
             "plain bf16", PlainSide(bf16, bf16.fresh_batches(8)), bf16_steps, "plain", "bf16", "plain bf16",
-            f"torch.autocast bf16, batch {bf16_batch}",
+            f"torch.autocast bf16, batch {bf16_batch}", bf16_kernel, bf16.step_flops,
         )  # fmt: skip
     if args.compile:
         compiled = forge("fp32-compile", ["--train.precision=fp32", "--train.compile=true"])
-        add("forge fp32 compile", compiled, args.steps, "forge", "fp32", "plain fp32 compile", "--train.compile=true")
+        add(
+            "forge fp32 compile", compiled, args.steps, "forge", "fp32", "plain fp32", "--train.compile=true",
+            onednn + ", compiled blocks",
+        )  # fmt: skip
         add(
             "plain fp32 compile", PlainSide(fp32, batches, compile_model=True), args.steps, "plain", "fp32",
-            "plain fp32 compile", "torch.compile(model)",
+            "plain fp32", "torch.compile(model)", "inductor (extern mm: MKL sgemm)", fp32.step_flops,
         )  # fmt: skip
 
     def runner(name: str) -> Callable[[], float]:
@@ -404,10 +500,15 @@ def main() -> None:
         if isinstance(side, ForgeSide):
             side.close()
 
+    print("measuring one linear layer's three products, MKL vs oneDNN ...", flush=True)
+    cfg = fp32.config
+    products = linear_products(fp32.tokens_per_step, cfg.model.dim, swiglu_width(fp32.model))
+
     medians = {name: median(values) for name, values in samples.items()}
     rows = []
     for name, plan in plans.items():
-        flops = fp32.step_flops * medians[name]
+        flops = plan["flops"] * medians[name]
+        peak_theory = theoretical[plan["precision"]][0]
         rows.append(
             {
                 "variant": name,
@@ -417,15 +518,16 @@ def main() -> None:
                 "baseline": plan["baseline"],
                 "x_baseline": medians[name] / medians[plan["baseline"]],
                 "x_forge_fp32": medians[name] / medians["forge fp32"],
-                "mfu_machine_peak": flops / machine_peak,
-                "mfu_dtype_peak": flops / best[plan["precision"]],
+                "mfu_measured_peak": flops / best[plan["precision"]],
+                "mfu_theoretical_peak": flops / peak_theory if peak_theory else None,
+                "linear_kernel": plan["linear"],
                 "how": plan["how"],
             }
         )
     for row in rows:
         print(
             f"{row['variant']:26s} {row['tokens_per_s']:9.0f} tok/s  x{row['x_baseline']:.3f} vs {row['baseline']:18s}"
-            f" x{row['x_forge_fp32']:.3f} vs forge fp32  MFU {100 * row['mfu_machine_peak']:.1f}%"
+            f" x{row['x_forge_fp32']:.3f} vs forge fp32  MFU {100 * row['mfu_measured_peak']:.1f}%"
         )
 
     same = []
@@ -435,24 +537,33 @@ def main() -> None:
             same.append(f"{forge_name}: loss {fl:.6f} vs {pl:.6f}, grad norm {fg:.6f} vs {pg:.6f}")
     print("first step, same weights and batch: " + "; ".join(same))
 
-    config = fp32.config
     cached = cpu_peak_flops(torch.float32) if fp32.device.type == "cpu" else fp32.peak
-    model = config.model
+    model = cfg.model
+    has = [flag for flag in ("avx512f", "avx512_bf16", "amx_bf16") if features.get(flag)]
     sentences = [
+        f"CPU: {features.get('model', 'unknown')}, with {', '.join(has) or 'none of avx512f, avx512_bf16, amx_bf16'}"
+        f" ({'bf16 matrix instructions' if {'avx512_bf16', 'amx_bf16'} & set(has) else 'no bf16 matrix unit'}).",
         f"Default model ({model.n_layers} layers, dim {model.dim}, {model.n_heads} heads, "
         f"{sum(p.numel() for p in fp32.model.parameters()) / 1e6:.2f} M parameters, "
-        f"{fp32.step_flops / 1e6:.1f} MFLOP per token), batch {config.train.batch_size} x seq "
-        f"{config.train.seq_len} = {fp32.tokens_per_step} tokens per step, device {fp32.device}.",
+        f"{fp32.step_flops / 1e6:.1f} MFLOP per token), batch {cfg.train.batch_size} x seq "
+        f"{cfg.train.seq_len} = {fp32.tokens_per_step} tokens per step, device {fp32.device}; the 4x and 16x rows "
+        "widen it (same layers, batch and data).",
         f"Medians of {args.rounds} alternating rounds after {args.warmup} warm-up round(s); a round runs "
-        f"{args.steps} steps of each variant ({bf16_steps} of batch {bf16_batch} for bf16).",
-        "`x_baseline`: tokens/s over the baseline's (1.0 = Forge costs nothing over a plain loop); "
-        "`x_forge_fp32`: over Forge's default.",
-        f"MFU = {fp32.step_flops / 1e6:.1f} MFLOP/token x tokens/s over the best measured matmul rate: "
-        f"`mfu_machine_peak` over the best of all kernels ({machine_peak / 1e9:.1f} GFLOP/s), `mfu_dtype_peak` "
-        f"over the best of the row's dtype (fp32 {best['fp32'] / 1e9:.1f}, bf16 {best['bf16'] / 1e9:.2f} "
-        f"GFLOP/s); Forge's own MFU metric uses its cached peak ({cached / 1e9:.1f} GFLOP/s).",
-        "Same work: first step from the same weights and batch, " + ("; ".join(same) or "not checked") + ".",
-    ]
+        f"{args.steps} steps of each default-size variant (fewer for the larger models; {bf16_steps} of batch "
+        f"{bf16_batch} for bf16).",
+        "`x_baseline`: tokens/s over the baseline's, a plain loop on the same model (1.0 = Forge costs nothing "
+        "over a hand-written loop); `x_forge_fp32`: over Forge's default. `linear_kernel`: the kernel the "
+        "model's linear layers took.",
+        "MFU = the row's model FLOP per token x tokens/s over a peak: `mfu_measured_peak` over the best measured "
+        f"matmul rate of the row's dtype (fp32 {best['fp32'] / 1e9:.1f}, bf16 {best['bf16'] / 1e9:.1f} GFLOP/s, "
+        "best kernel per dtype in the matmul table), `mfu_theoretical_peak` over cores x boost clock x FLOP per "
+        "cycle ("
+        + "; ".join(f"{name}: {peak / 1e9:.1f} GFLOP/s" if peak else f"{name}: none, {why}"
+                    for name, (peak, why) in theoretical.items())
+        + f"). Forge's own MFU metric uses its cached fp32 peak ({cached / 1e9:.1f} GFLOP/s).",
+        "Same work: first step from the same weights and batch, " + ("; ".join(same) or "not checked") + " "
+        "(Forge's oneDNN products and the plain loop's MKL ones differ in the last bits).",
+    ]  # fmt: skip
     if bf16_slow and not args.no_bf16:
         sentences.append(
             f"bf16 has no fast matmul on this CPU (best bf16 kernel {best['bf16'] / 1e9:.2f} GFLOP/s vs fp32 "
@@ -462,21 +573,37 @@ def main() -> None:
     if not args.compile:
         sentences.append(
             "torch.compile rows: `python benchmarks/bench_train.py --compile` (about a minute of compilation "
-            "per model on 2 cores, so not in the default run)."
+            "per model on 2 cores)."
         )
     notes = " ".join(sentences)
     headline = [
         {
             "measure": "Forge training step / plain PyTorch loop, tokens/s (fp32, default model)",
             "value": medians["forge fp32"] / medians["plain fp32"],
-            "meaning": "1.0 = Forge costs nothing over a hand-written loop",
+            "meaning": "above 1: Forge is faster than a hand-written loop (oneDNN linear layers)",
         },
         {
-            "measure": "Forge training step, MFU of the measured matmul peak (fp32)",
-            "value": fp32.step_flops * medians["forge fp32"] / machine_peak,
-            "meaning": "fraction of the best torch.mm rate on this machine",
+            "measure": "Forge with cpu_linear_kernel=aten / plain loop (fp32): the framework's own overhead",
+            "value": medians["forge fp32 aten kernel"] / medians["plain fp32"],
+            "meaning": "1.0 = Forge's loop costs nothing over a hand-written one on the same kernels",
         },
     ]
+    for label in ("4x", "16x"):
+        if f"forge fp32 {label}" in medians:
+            headline.append(
+                {
+                    "measure": f"Forge / plain loop, tokens/s (fp32, {label} the default model's parameters)",
+                    "value": medians[f"forge fp32 {label}"] / medians[f"plain fp32 {label}"],
+                    "meaning": "the same ratio on a larger model",
+                }
+            )
+    headline.append(
+        {
+            "measure": "Forge training step, MFU of the measured fp32 matmul peak",
+            "value": fp32.step_flops * medians["forge fp32"] / best["fp32"],
+            "meaning": "fraction of the best fp32 product on this machine (oneDNN's)",
+        }
+    )
     if "forge train() fp32" in medians:
         headline.append(
             {
@@ -485,20 +612,37 @@ def main() -> None:
                 "meaning": "the loop as `forge train` runs it",
             }
         )
-    fastest = max((n for n in medians if plans[n]["loop"] == "forge"), key=medians.get)
-    headline.append(
-        {
-            "measure": f"fastest Forge variant ({fastest}) / Forge default, tokens/s",
-            "value": medians[fastest] / medians["forge fp32"],
-            "meaning": plans[fastest]["how"],
-        }
-    )
+    if "forge fp32 compile" in medians:
+        headline.append(
+            {
+                "measure": "Forge with train.compile / plain PyTorch loop, tokens/s (fp32)",
+                "value": medians["forge fp32 compile"] / medians["plain fp32"],
+                "meaning": "the fastest options Forge offers against the uncompiled hand-written loop",
+            }
+        )
+    if "forge bf16" in medians:
+        headline.append(
+            {
+                "measure": "Forge bf16 step, MFU of the measured bf16 matmul peak",
+                "value": bf16.step_flops * medians["forge bf16"] / best["bf16"],
+                "meaning": "target 0.45 on a CPU with bf16 matrix units"
+                + ("" if {"avx512_bf16", "amx_bf16"} & set(has) else " (this CPU has none)"),
+            }
+        )
     command = "python benchmarks/bench_train.py " + " ".join(sys.argv[1:])
     if not args.no_save:
-        tables = {"matmul peak (best of 3 per kernel and size)": peaks}
+        tables = {
+            "matmul peak (best of 3 per kernel and size)": peaks,
+            "one linear layer's products, fp32: MKL (F.linear) vs oneDNN (Forge), best of 5": products,
+        }
         path = save("train", command.strip(), rows, notes, tables=tables, headline=headline)
         print(f"wrote {path}")
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+def swiglu_width(model: torch.nn.Module) -> int:
+    """The hidden width of the first block's feed-forward layer (its gate projection)."""
+    return model.layers[0].feed_forward.w1.out_features
 
 
 if __name__ == "__main__":

@@ -59,6 +59,9 @@ process ends); ``KeyboardInterrupt`` is taken for the user's Ctrl-C (exit 130).
   the run before anything is written (exit 2).
 - :func:`forge_lm_configure` rejects a config with a :class:`forge_lm.errors.ConfigError`;
   anything else it raises is reported as that plugin's bug (exit 2).
+- :func:`forge_lm_hf_export` and :func:`forge_lm_hf_import` refuse a model with a
+  :class:`forge_lm.errors.ForgeError`, shown as it is; anything else they raise is reported as
+  that plugin's bug (exit 4).
 - A plugin that fails to load is ``broken``, one whose plugin API range excludes this core
   ``incompatible``: ``forge train`` warns about each at start (one line, with the reason)
   and runs without it, unless the config names one of its components (exit 2).
@@ -203,7 +206,7 @@ def forge_lm_register_model_transforms(register: Any) -> None:
     Factory: ``factory(options) -> forge_lm.distributed.ModelTransform(slot, enabled, apply)``.
     The training path applies every transform whose ``enabled(context)`` is true, in the
     order of :data:`forge_lm.distributed.TRANSFORM_ORDER` (tensor_parallel, expert_parallel,
-    float8, activation_checkpointing, data_parallel, compile), by name within a slot;
+    float8, activation_checkpointing, compile, data_parallel), by name within a slot;
     ``apply(model, context)`` changes the model in place and keeps parameter names. See
     docs/distributed.md.
     """
@@ -218,7 +221,13 @@ def forge_lm_register_model_transforms(register: Any) -> None:
 def forge_lm_hf_export(model: Any, config: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The Hugging Face form of ``model`` (built from the ``[model]`` section ``config``):
     ``(config.json as a dict, Hugging Face state dict)``, or None if this plugin's components
-    are not what the model is made of. Without an answer, ``forge export-hf`` writes Llama."""
+    are not what the model is made of.
+
+    Raise :class:`forge_lm.errors.ForgeError` to refuse a model made of this plugin's
+    components that the Hugging Face format cannot express; its message reaches the user
+    unchanged. The core answers last (``trylast``), for its dense SwiGLU model, as
+    ``LlamaForCausalLM``. When no plugin answers, ``forge export-hf`` stops with a message
+    naming the model's feed-forward and the plugins it asked."""
 
 
 @hookspec(firstresult=True)
@@ -226,8 +235,12 @@ def forge_lm_hf_import(
     hf_config: dict[str, Any], state: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """For a Hugging Face model this plugin understands (by ``hf_config["model_type"]``):
-    ``([model] config table, Forge state dict)``, or None. Without an answer,
-    ``forge import-hf`` reads the model as Llama."""
+    ``([model] config table, Forge state dict)``, or None.
+
+    Raise :class:`forge_lm.errors.ForgeError` to refuse a model of this type that Forge cannot
+    express; ``forge import-hf`` shows its message after the model directory. The core answers
+    last (``trylast``), for ``model_type = "llama"``. When no plugin answers, ``forge
+    import-hf`` stops with a message naming the model type and the plugins it asked."""
 
 
 # --------------------------------------------------------------------------------------

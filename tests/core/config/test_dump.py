@@ -139,6 +139,7 @@ def test_set_optional_values_are_written(load):
         "qk_norm": False,
         "tie_embeddings": True,
         "init_std": 0.02,
+        "attention_backend": "auto",
         "ffn": {"name": "swiglu", "hidden_multiplier": 8 / 3, "multiple_of": 64},
     }
 

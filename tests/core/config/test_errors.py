@@ -12,8 +12,8 @@ from forge_lm.plugins import PluginManager, PluginSettings, core_version
 
 CORE = f"forge-lm {core_version()}"
 TRAIN_KEYS = (
-    "Valid keys: 'activation_checkpointing', 'batch_size', 'compile', 'device', 'grad_accum_steps', 'grad_clip', "
-    "'max_steps', 'memory_check', 'output_dir', 'precision', 'seed', 'seq_len'"
+    "Valid keys: 'activation_checkpointing', 'batch_size', 'compile', 'cpu_linear_kernel', 'device', "
+    "'grad_accum_steps', 'grad_clip', 'max_steps', 'memory_check', 'output_dir', 'precision', 'seed', 'seq_len'"
 )
 
 
@@ -31,8 +31,8 @@ def available(builtins: PluginManager, category: str) -> str:
 def test_an_unknown_key_suggests_the_close_one_and_lists_the_valid_keys(error):
     assert error("[model]\nn_head = 8\n") == (
         "[model] n_head: unknown key. Did you mean 'n_heads'? "
-        "Valid keys: 'dim', 'ffn', 'init_std', 'max_seq_len', 'n_heads', 'n_kv_heads', 'n_layers', 'norm', "
-        "'norm_eps', 'qk_norm', 'rope_theta', 'tie_embeddings', 'vocab_size'."
+        "Valid keys: 'attention_backend', 'dim', 'ffn', 'init_std', 'max_seq_len', 'n_heads', 'n_kv_heads', "
+        "'n_layers', 'norm', 'norm_eps', 'qk_norm', 'rope_theta', 'tie_embeddings', 'vocab_size'."
     )
 
 

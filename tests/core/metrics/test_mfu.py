@@ -221,7 +221,10 @@ def test_cpu_cache_key_names_the_cpu_threads_torch_and_dtype(monkeypatch):
     monkeypatch.setattr(mfu_module, "cpu_model", lambda: "Example CPU @ 3.0GHz")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 6)
 
-    assert cpu_cache_key(torch.bfloat16) == f"Example CPU @ 3.0GHz | threads=6 | torch={torch.__version__} | bf16"
+    expected = f"Example CPU @ 3.0GHz | threads=6 | torch={torch.__version__} | bf16 | torch.mm"
+    assert cpu_cache_key(torch.bfloat16) == expected
+    # the kernels measured are part of the key: a peak cached before oneDNN joined is not reused
+    assert cpu_cache_key(torch.float32).endswith("| fp32 | " + "+".join(mfu_module.matmul_kernels(torch.float32)))
 
 
 def test_a_different_thread_count_is_measured_anew_and_both_are_kept(cache_home, measurements, monkeypatch):
@@ -273,7 +276,7 @@ def test_the_measurement_times_square_matmuls_of_the_size_it_chose(monkeypatch):
         return a
 
     monkeypatch.setattr(mfu_module.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(mfu_module.torch, "mm", fake_mm)
+    monkeypatch.setattr(mfu_module, "matmul_kernels", lambda dtype: {"torch.mm": fake_mm})
 
     rate = measure_cpu_flops(torch.float32)
 
@@ -281,6 +284,37 @@ def test_the_measurement_times_square_matmuls_of_the_size_it_chose(monkeypatch):
     assert rate == pytest.approx(1e10)
     assert timed % 64 == 0
     assert 2 * timed**3 / 1e10 == pytest.approx(0.2, rel=0.2)  # about 0.2 s per matmul
+
+
+def test_the_peak_is_the_fastest_kernel_a_layer_can_take(monkeypatch):
+    # Two fake kernels on a fake clock, one twice as fast: the peak is the faster one's rate,
+    # since the model's layers take it (an MFU against the slower would exceed 1).
+    now = [0.0]
+
+    def kernel_at(rate):
+        def product(a, b):
+            now[0] += 2 * a.shape[0] ** 3 / rate
+            return a
+
+        return product
+
+    monkeypatch.setattr(mfu_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(mfu_module, "matmul_kernels", lambda dtype: {"slow": kernel_at(1e10), "fast": kernel_at(2e10)})
+
+    assert measure_cpu_flops(torch.float32) == pytest.approx(2e10)
+
+
+def test_fp32_measures_the_onednn_product_of_forge_linear_layers():
+    from forge_lm.model.linear import onednn_available
+
+    kernels = mfu_module.matmul_kernels(torch.float32)
+    assert ("oneDNN linear" in kernels) == onednn_available()
+    assert list(mfu_module.matmul_kernels(torch.bfloat16)) == ["torch.mm"]
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    for product in kernels.values():  # every kernel computes the same product's FLOPs: a @ b (or b.T)
+        out = product(a, b)
+        assert out.shape == (64, 64)
+        assert torch.allclose(out, a @ b, atol=1e-4) or torch.allclose(out, a @ b.T, atol=1e-4)
 
 
 def test_the_real_measurement_is_a_positive_finite_rate():

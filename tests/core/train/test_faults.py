@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from forge_lm.metrics.jsonl import read_metrics
+from forge_lm.model.linear import onednn_available
 
 FAULTS = """
 import os, signal, threading, time
@@ -178,6 +179,8 @@ def test_signal_saves_exits_75_and_resume_is_bitwise_identical(site, straight, t
     assert first["config_hash"] == second["config_hash"]
     assert len(first["config_hash"]) == 16
     assert any(plugin["name"] == "faults" for plugin in first["plugins"])
+    # the default kernel: oneDNN's fp32 products where torch has them (and still bitwise on resume)
+    assert first["cpu_linear_kernel"] == ("onednn" if onednn_available() else "aten")
     assert (preempted["signal"], preempted["step"]) == (sig, 6)
     assert (stopped_end["status"], stopped_end["exit_code"]) == ("interrupted", 75)
     assert (second["resuming"], resume["from_step"], resume["checkpoint"]) == (True, 6, "step_6")

@@ -14,6 +14,7 @@ from forge_lm.config import load_config
 from forge_lm.distributed import ParallelDims, TransformContext, apply_model_transforms
 from forge_lm.errors import ConfigError
 from forge_lm.model import build_model
+from forge_lm.model.linear import Linear as ForgeLinear
 from forge_lm.plugins import PluginManager, PluginSettings
 
 from .conftest import ODD, ODD_MESSAGE
@@ -122,9 +123,10 @@ def test_a_subclass_of_linear_is_left_alone():
         def forward(self, x):
             return 2 * super().forward(x)
 
-    model = nn.Sequential(nn.Linear(32, 32), Scaled(32, 32))
+    model = nn.Sequential(nn.Linear(32, 32), Scaled(32, 32), ForgeLinear(32, 32))
     convert(model, Float8Options(enabled=True))
-    assert [type(m).__name__ for m in model] == ["Float8Linear", "Scaled"]
+    # Forge's own Linear (a CPU kernel choice for its fp32 product) is converted like nn.Linear
+    assert [type(m).__name__ for m in model] == ["Float8Linear", "Scaled", "Float8Linear"]
 
 
 def test_a_model_with_nothing_to_convert_is_refused_listing_why():

@@ -101,6 +101,16 @@ class ModelSection:
     )
     norm_eps: float = attrs.field(default=1e-5, validator=positive, metadata=_doc("Epsilon of every norm."))
     qk_norm: bool = attrs.field(default=False, metadata=_doc("Normalise queries and keys per head before RoPE."))
+    attention_backend: str = attrs.field(
+        default="auto",
+        validator=one_of("auto", "sdpa", "flex"),
+        metadata=_doc(
+            "Attention of batches that pack several documents: 'sdpa' (a dense [B, 1, T, T] mask), "
+            "'flex' (FlexAttention's block mask; compiled on CUDA; on CPU eager, much slower and without "
+            "backward, so evaluation only), "
+            "'auto': flex on CUDA, sdpa elsewhere. Context parallelism always uses sdpa."
+        ),
+    )
     tie_embeddings: bool = attrs.field(default=True, metadata=_doc("Output head shares the embedding matrix."))
     init_std: float = attrs.field(
         default=0.02, validator=positive, metadata=_doc("Init std; residual projections get init_std/sqrt(2*n_layers).")
@@ -167,7 +177,16 @@ class TrainSection:
         metadata=_doc("Autocast dtype; weights stay fp32. 'auto': bf16 on CUDA, fp32 on CPU."),
     )
     compile: bool = attrs.field(
-        default=False, metadata=_doc("torch.compile each transformer block (the last model transform).")
+        default=False, metadata=_doc("torch.compile each transformer block (before FSDP2 wraps it).")
+    )
+    cpu_linear_kernel: str = attrs.field(
+        default="auto",
+        validator=one_of("auto", "onednn", "aten"),
+        metadata=_doc(
+            "Kernel of the model's fp32 linear layers on CPU: 'onednn' (about 2x MKL's sgemm on AMD EPYC), "
+            "'aten' (torch's default, bitwise equal to a plain PyTorch model), 'auto': oneDNN where this torch "
+            "has it. CUDA, bf16 autocast and tensor-parallel layers always use torch's own."
+        ),
     )
     activation_checkpointing: str = attrs.field(
         default="none",

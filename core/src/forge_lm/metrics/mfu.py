@@ -26,12 +26,14 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from forge_lm.errors import ConfigError
+from forge_lm.model.linear import onednn_available
 
 _SET_PEAK = "set [metrics] peak_flops to the peak FLOP/s of one device (e.g. --metrics.peak_flops=3.12e14)"
 
@@ -518,21 +520,36 @@ def measure_cpu_flops(dtype: torch.dtype = torch.float32) -> float:
 
 
 def _matmul_rate(size: int, dtype: torch.dtype, repeats: int) -> float:
+    """The best rate of ``size``-square products over the kernels a run's layers can take
+    (:func:`matmul_kernels`): the peak must be one the model's products can reach, or MFU
+    would exceed 1 (in fp32, oneDNN's GEMM can be twice torch.mm's MKL sgemm)."""
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=generator).to(dtype)
     b = torch.randn(size, size, generator=generator).to(dtype)
-    torch.mm(a, b)  # warm-up: thread pool start and kernel selection are not part of the rate
     best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
+    for kernel in matmul_kernels(dtype).values():
+        kernel(a, b)  # warm-up: thread pool start and kernel selection are not part of the rate
+        for _ in range(repeats):
+            start = time.perf_counter()
+            kernel(a, b)
+            best = min(best, time.perf_counter() - start)
     return 2 * size**3 / max(best, 1e-9)
+
+
+def matmul_kernels(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """The CPU matrix-product kernels measured for the peak of ``dtype``, by name: torch.mm,
+    and in fp32 the oneDNN product of Forge's linear layers (forge_lm.model.linear) where this
+    torch build has it. In bf16 torch.mm already runs on oneDNN."""
+    kernels: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"torch.mm": torch.mm}
+    if dtype == torch.float32 and onednn_available():
+        kernels["oneDNN linear"] = lambda a, b: torch.ops.forge.onednn_linear(a, b)
+    return kernels
 
 
 def cpu_cache_key(dtype: torch.dtype) -> str:
     dtype_name = _DTYPE_NAMES.get(dtype, str(dtype))
-    return f"{cpu_model()} | threads={torch.get_num_threads()} | torch={torch.__version__} | {dtype_name}"
+    kernels = "+".join(matmul_kernels(dtype))
+    return f"{cpu_model()} | threads={torch.get_num_threads()} | torch={torch.__version__} | {dtype_name} | {kernels}"
 
 
 def cpu_model() -> str:

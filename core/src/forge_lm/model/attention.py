@@ -1,14 +1,33 @@
-"""Causal self-attention with grouped-query heads, optional QK-norm and RoPE, and its masks."""
+"""Causal self-attention with grouped-query heads, optional QK-norm and RoPE, and its masks.
+
+Packed documents (``document_ids``) need a mask beyond plain causal attention. It takes one of
+two forms, chosen once per forward by :func:`attention_mask` (``[model] attention_backend``):
+
+- ``"sdpa"``: a dense boolean ``[B, 1, T, T]`` mask for ``F.scaled_dot_product_attention``. On
+  CUDA it rules out SDPA's flash kernel; on CPU it is faster than FlexAttention.
+- ``"flex"``: a FlexAttention :class:`~torch.nn.attention.flex_attention.BlockMask`, which
+  records which 128 x 128 tiles are empty, full or partial, so the fused kernel skips the empty
+  ones. FlexAttention is only fused when compiled: on CUDA both ``flex_attention`` and
+  ``create_block_mask`` are compiled once per process; elsewhere they run eagerly, which is
+  exact but several times slower than the dense mask, and torch has no FlexAttention backward
+  on CPU, so there it serves evaluation only.
+- ``"auto"`` (the default): ``"flex"`` on CUDA, ``"sdpa"`` elsewhere.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from forge_lm.errors import ForgeError
 from forge_lm.model.kv_cache import KVCache
+from forge_lm.model.linear import Linear
 from forge_lm.model.norms import RMSNorm
 from forge_lm.model.rope import apply_rope
 
@@ -37,10 +56,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
         self.layer_index = layer_index  # its slot in a KV cache
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)  # writes into the residual stream
+        self.wq = Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = Linear(n_heads * self.head_dim, dim, bias=False)  # writes into the residual stream
         # QK-norm: one RMSNorm scale over head_dim, shared by all heads, applied before RoPE.
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
@@ -50,13 +69,14 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | BlockMask | None,
         is_causal: bool,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """``x`` ``[batch, seq, dim]`` -> ``[batch, seq, dim]``; ``cos``/``sin`` ``[seq, head_dim]`` for its positions.
 
-        ``mask`` (True = may attend) and ``is_causal`` come from :func:`attention_mask`.
+        ``mask`` and ``is_causal`` come from :func:`attention_mask` (or :func:`positional_mask`):
+        a boolean tensor (True = may attend) goes to SDPA, a ``BlockMask`` to FlexAttention.
         """
         batch, seq, _ = x.shape
         # Head counts come from the projections' outputs, not from n_heads / n_kv_heads: under
@@ -72,8 +92,15 @@ class Attention(nn.Module):
         if self.context_parallel is not None:  # after RoPE (global positions), before repeat_kv (fewer heads)
             k, v = self.context_parallel.gather(k, dim=2), self.context_parallel.gather(v, dim=2)  # [B, KV, T*cp, Dh]
         # The group size n_heads / n_kv_heads is the same on local heads (tp divides both).
-        k, v = repeat_kv(k, self.n_heads // self.n_kv_heads), repeat_kv(v, self.n_heads // self.n_kv_heads)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # [B, H, T, Dh]
+        groups = self.n_heads // self.n_kv_heads
+        if isinstance(mask, BlockMask):
+            # FlexAttention maps query head h to key/value head h // groups itself (the layout of
+            # repeat_kv), so the repeated keys and values are never materialised.
+            check_flex_backward(q)
+            out = flex_function(q.device)(q, k, v, block_mask=mask, enable_gqa=groups > 1)  # [B, H, T, Dh]
+        else:
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # [B, H, T, Dh]
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, init: Initializer) -> None:
@@ -98,24 +125,89 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(batch, heads, groups, seq, head_dim).reshape(batch, heads * groups, seq, head_dim)
 
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+
+
+def is_cuda(device: torch.device) -> bool:
+    """Whether ``device`` runs compiled (fused) FlexAttention; one place, so tests can stand in for CUDA."""
+    return device.type == "cuda"
+
+
+def uses_flex(backend: str, device: torch.device) -> bool:
+    """Whether a document mask on ``device`` is a FlexAttention ``BlockMask`` under ``backend``
+    (``[model] attention_backend``): ``"auto"`` picks FlexAttention where it is compiled (CUDA)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    return backend == "flex" or (backend == "auto" and is_cuda(device))
+
+
+def flex_function(device: torch.device) -> Callable[..., torch.Tensor]:
+    """``flex_attention`` for ``device``: compiled (the fused kernel) on CUDA, eager elsewhere.
+
+    Eager FlexAttention computes every score and then masks it (exact, but slow); compiled for
+    CPU it costs seconds per shape, runs no faster than SDPA's dense mask and still has no
+    backward, so CPU keeps the eager function.
+    """
+    return _compiled(flex_attention) if is_cuda(device) else flex_attention
+
+
+def check_flex_backward(query: torch.Tensor) -> None:
+    """Refuse to train through FlexAttention where torch has no backward for it (CPU, MPS), with
+    the fix; torch's own NotImplementedError would come without one."""
+    if query.requires_grad and query.device.type in ("cpu", "mps"):
+        raise ForgeError(
+            f"[model] attention_backend = 'flex' cannot train on {query.device.type}: torch's FlexAttention "
+            "has no backward there. Use 'auto' or 'sdpa' (evaluation without gradients works with 'flex')."
+        )
+
+
+@functools.cache
+def _compiled(function: Callable[..., object]) -> Callable[..., object]:
+    # Compiled once per process and shared by every layer and model: torch.compile caches its
+    # graphs on the returned wrapper, so a fresh wrapper per call would recompile every time.
+    return torch.compile(function)
+
+
+def document_block_mask(document_ids: torch.Tensor) -> BlockMask:
+    """The FlexAttention ``BlockMask`` of packed documents ``[B, T]``: query ``i`` sees key ``j``
+    iff ``j <= i`` and both belong to the same document; the same for every head.
+
+    Built once per forward and shared by all layers. On CUDA ``create_block_mask`` is compiled,
+    as torch recommends for a mask built every step; eagerly it evaluates the ``mask_mod`` on a
+    dense ``[B, T, T]`` grid.
+    """
+    batch, seq = document_ids.shape
+
+    def causal_same_document(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return (kv <= q) & (document_ids[b, q] == document_ids[b, kv])
+
+    device = document_ids.device
+    build = _compiled(create_block_mask) if is_cuda(device) else create_block_mask
+    return build(causal_same_document, batch, None, seq, seq, device=device)
+
+
 def attention_mask(
-    document_ids: torch.Tensor | None, start: int, length: int, device: torch.device
-) -> tuple[torch.Tensor | None, bool]:
-    """``(mask, is_causal)`` for SDPA, for ``length`` queries at positions ``[start, start + length)``.
+    document_ids: torch.Tensor | None, start: int, length: int, device: torch.device, backend: str = "sdpa"
+) -> tuple[torch.Tensor | BlockMask | None, bool]:
+    """``(mask, is_causal)`` for ``length`` queries at positions ``[start, start + length)``.
 
     - No documents, no cached prefix: plain causal attention (``is_causal``, no mask tensor, so
       SDPA can use its fused kernels).
-    - ``document_ids`` ``[B, T]`` (packed sequences): a boolean ``[B, 1, T, T]`` mask where query
-      ``i`` sees key ``j`` iff ``j <= i`` and both belong to the same document. Every query sees
-      at least itself, so no row is empty. RoPE is relative, so documents need no position reset.
-      When every row holds one document the mask is plain causal attention, and is dropped so
-      that SDPA can use its fused causal kernels (documents much longer than a sequence, the
-      common case, make most batches like that).
+    - ``document_ids`` ``[B, T]`` (packed sequences): query ``i`` sees key ``j`` iff ``j <= i``
+      and both belong to the same document, as a FlexAttention ``BlockMask``
+      (:func:`document_block_mask`) when :func:`uses_flex` says so for ``backend`` on
+      ``device``, else as a boolean ``[B, 1, T, T]`` SDPA mask. Every query sees at least
+      itself, so no row is empty. RoPE is relative, so documents need no position reset. When
+      every row holds one document the mask is plain causal attention, and is dropped so that
+      SDPA can use its fused causal kernels (documents much longer than a sequence, the common
+      case, make most batches like that).
     - A cached prefix (``start > 0``): one new token sees every key (no mask); several new tokens
       get a ``[T, start + T]`` mask where query ``i`` sees keys ``j <= start + i`` (SDPA's
       ``is_causal`` would align the triangle to the top-left corner instead).
     """
     if document_ids is not None and not bool((document_ids == document_ids[:, :1]).all()):
+        if uses_flex(backend, device):
+            return document_block_mask(document_ids), False
         causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
         same_document = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
         return (same_document & causal)[:, None], False
@@ -138,7 +230,11 @@ def positional_mask(
     iff ``key_positions[j] <= query_positions[i]`` and, with documents ``[B, Tq]``/``[B, Tk]``,
     both belong to the same one. ``[Tq, Tk]``, or ``[B, 1, Tq, Tk]`` with documents. Each query
     sees at least its own key, so no row is empty. For tokens held in any order, such as a
-    context-parallel rank's slice and the keys gathered from its group."""
+    context-parallel rank's slice and the keys gathered from its group.
+
+    Context parallelism keeps this dense SDPA mask whatever ``attention_backend`` says: its
+    queries are a rank's two chunks and its keys the whole gathered sequence, so the mask is
+    built from those global positions rather than from :func:`document_block_mask`."""
     causal = key_positions[None, :] <= query_positions[:, None]  # [Tq, Tk]
     if query_documents is None or key_documents is None:
         return causal

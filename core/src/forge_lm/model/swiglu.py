@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forge_lm.model.linear import Linear
+
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -30,9 +32,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, dim, bias=False)  # down: writes into the residual stream
+        self.w1 = Linear(dim, hidden, bias=False)  # gate
+        self.w3 = Linear(dim, hidden, bias=False)  # up
+        self.w2 = Linear(hidden, dim, bias=False)  # down: writes into the residual stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [batch, seq, dim] -> [batch, seq, hidden] -> [batch, seq, dim]

@@ -23,6 +23,7 @@ from forge_lm.errors import ForgeError, PluginError
 from forge_lm.model.attention import Attention, attention_mask, positional_mask
 from forge_lm.model.init import initialize
 from forge_lm.model.kv_cache import KVCache
+from forge_lm.model.linear import Linear
 from forge_lm.model.norms import build_norm
 from forge_lm.model.rope import RotaryEmbedding
 
@@ -90,7 +91,7 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
         self.layers = nn.ModuleList(Block(config, i, ffn) for i, ffn in enumerate(feed_forwards))
         self.norm = build_norm(config.norm, config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, vocab_size, bias=False)
+        self.output = Linear(config.dim, vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight  # one tensor, [vocab, dim], in both places
 
@@ -140,8 +141,9 @@ class Transformer(nn.Module):
         the sequences (:meth:`ContextParallel.shard`) and keys come from the whole group.
 
         ``document_ids`` ``[B, T]`` (packed sequences): a token attends only to earlier tokens of
-        its own document. ``kv_cache``: the tokens continue those already cached (positions
-        start at ``kv_cache.length``) and their keys and values are added to it.
+        its own document (through SDPA or FlexAttention, ``[model] attention_backend``; under
+        context parallelism always SDPA). ``kv_cache``: the tokens continue those already
+        cached (positions start at ``kv_cache.length``) and their keys and values are added to it.
 
         A pipeline stage (:mod:`forge_lm.distributed.pipeline`) is this model with the parts
         other stages hold set to ``None`` and ``layers`` a ``ModuleDict`` of its own blocks:
@@ -169,7 +171,8 @@ class Transformer(nn.Module):
             mask, cos, sin = self._positional_attention(positions, document_ids, kv_cache, seq)
             is_causal = False
         else:
-            mask, is_causal = attention_mask(document_ids, start, seq, input_ids.device)
+            # Built once here and shared by every layer: a dense mask or a FlexAttention BlockMask.
+            mask, is_causal = attention_mask(document_ids, start, seq, input_ids.device, self.config.attention_backend)
             cos, sin = self.rope(start, seq)  # [T, head_dim] each
         h = self.tok_embeddings(input_ids) if embeds else input_ids  # [B, T, dim]
         layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
@@ -189,7 +192,8 @@ class Transformer(nn.Module):
         seq: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(mask, cos, sin)`` for tokens at explicit ``positions``; under context parallelism
-        the mask's keys are the group's, in the order the attention layers gather them."""
+        the mask's keys are the group's, in the order the attention layers gather them. Always a
+        dense SDPA mask (:func:`positional_mask`), whatever ``attention_backend`` says."""
         cp = self.context_parallel
         if positions is None:
             raise ForgeError(

@@ -41,7 +41,6 @@ from forge_lm.distributed import (
     dp_coordinates,
     init_distributed,
     is_main_process,
-    shutdown_distributed,
 )
 from forge_lm.distributed.consistency import check_same_plugins
 from forge_lm.distributed.context_parallel import ContextParallel, enable_context_parallel
@@ -50,6 +49,7 @@ from forge_lm.distributed.health import check_health
 from forge_lm.distributed.launch import on_main_process, rank_device
 from forge_lm.distributed.pipeline import PipelineRunner
 from forge_lm.distributed.reduce import agree_on_step, mean_over_data_parallel, rank
+from forge_lm.distributed.tensor_parallel import loss_parallel_for
 from forge_lm.errors import ConfigError
 from forge_lm.losses.aux import AuxCollector, collect_aux
 from forge_lm.metrics.memory import MemoryMetrics
@@ -57,6 +57,8 @@ from forge_lm.metrics.mfu import is_measured, mfu, remeasure_cpu_peak_with_sourc
 from forge_lm.model import build_model
 from forge_lm.model.flops import active_parameter_count, flops_per_token
 from forge_lm.model.init import materialize
+from forge_lm.model.linear import kernel_in_use as linear_kernel_in_use
+from forge_lm.model.linear import set_kernel as set_linear_kernel
 from forge_lm.model.memory import check_memory, model_vocab_size
 from forge_lm.plugins import PluginManager
 from forge_lm.plugins._calls import PluginHookFailed
@@ -67,8 +69,8 @@ from forge_lm.train.components import (
     build_evaluators,
     build_metrics_backends,
 )
-from forge_lm.train.device import autocast_dtype, resolve_device, seed_everything
-from forge_lm.train.ending import collective_timeout, end_run, stop_for_plugin, warn_about_unused_plugins
+from forge_lm.train.device import autocast_dtype, batch_transfer, resolve_device, seed_everything
+from forge_lm.train.ending import Teardown, collective_timeout, end_run, stop_for_plugin, warn_about_unused_plugins
 from forge_lm.train.evaluate import EvalSets, build_eval_sets
 from forge_lm.train.profiling import StepProfiler
 from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree, check_startup
@@ -129,6 +131,16 @@ class _Parts:
         return self.mesh["pp"].get_group() if self.dims.pp > 1 else None
 
 
+def _choose_linear_kernel(kernel: str, device: torch.device) -> None:
+    """Set the kernel of the model's fp32 CPU linear products (forge_lm.model.linear); one the
+    machine cannot run is a config error, not a silent fallback."""
+    if not set_linear_kernel(kernel) and kernel == "onednn" and device.type == "cpu":
+        raise ConfigError(
+            "[train] cpu_linear_kernel = 'onednn', but this torch build has no oneDNN (mkldnn) linear kernel; "
+            "set it to 'auto' or 'aten'."
+        )
+
+
 def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     """Join the process group (under torchrun), then build every component from the registry.
     Raises on any bad config or missing dependency; writes nothing."""
@@ -137,6 +149,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     dims = ParallelDims.resolve(config, launch.world_size)  # checked before any process group exists
     device = rank_device(resolve_device(config.train.device), launch)
     dtype = autocast_dtype(config.train.precision, device)
+    _choose_linear_kernel(config.train.cpu_linear_kernel, device)
     init_distributed(launch, device, config.distributed.timeout)
     if config.resilience.health_check and launch.world_size > 1:  # a bad rank is named before anything is built
         health = check_health(device)
@@ -212,7 +225,9 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         optimizer=optimizer,
         scheduler=build(registry, "schedulers", config.scheduler, optimizer, config.train.max_steps),
         loss_fn=loss_fn,
-        train_batches=BatchLoader(train_data, config.train.batch_size, vocab_size, f"the '{config.data.name}' data"),
+        train_batches=BatchLoader(
+            train_data, config.train.batch_size, vocab_size, f"the '{config.data.name}' data", **batch_transfer(device)
+        ),
         evaluator=evaluator,
         evaluators=evaluators,
         # Metrics are the main process's job; the others report through it.
@@ -227,25 +242,28 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
 def train(config: ForgeConfig, manager: PluginManager) -> TrainResult:
     """Train the run ``config`` describes; under ``torchrun`` every rank calls this."""
     run = RunDirectory(config.train.output_dir)  # locked by rank 0 while the run uses it: see run_dir
+    teardown = Teardown()  # barrier, pipeline release, process group destroyed: see Teardown for the order
+    together = False  # whether every rank stops here together; a rank failing alone must not wait for the others
     try:
         with run:  # unlocked also on errors; a directory this start created is removed if no step was done
-            result = _train_recording_the_end(config, manager, run)
+            result = _train_recording_the_end(config, manager, run, teardown)
+        together = True
     except (Preempted, NonFiniteLoss):  # every rank stops here together
-        shutdown_distributed(wait_for_all=True)
+        together = True
         raise
-    except BaseException:
-        shutdown_distributed()  # this rank alone may be failing: waiting for the others could hang
-        raise
-    shutdown_distributed(wait_for_all=True)
+    finally:
+        teardown.close(together=together)
     return result
 
 
-def _train_recording_the_end(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> TrainResult:
+def _train_recording_the_end(
+    config: ForgeConfig, manager: PluginManager, run: RunDirectory, teardown: Teardown
+) -> TrainResult:
     """:func:`_train`, then its end in the event log: inside the run directory's ``with``, before
     a directory that this start created (and trained no step in) is removed again. A collective
     that timed out is explained as such (:class:`CollectiveTimedOut`)."""
     try:
-        result = _train(config, manager, run)
+        result = _train(config, manager, run, teardown)
     except BaseException as error:
         timed_out = collective_timeout(error, config.distributed.timeout)
         _record_end(timed_out or error)
@@ -269,8 +287,9 @@ def _record_end(error: BaseException | None) -> None:
     events.close_log()
 
 
-def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> TrainResult:
+def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teardown: Teardown) -> TrainResult:
     parts = _build(config, manager)
+    teardown.hold(parts.pipeline)
     model, optimizer, backends = parts.model, parts.optimizer, parts.backends
     if is_main_process():
         warn_about_unused_plugins(manager)
@@ -286,6 +305,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
         config_hash=_config_hash(config),
         plugins=manager.manifest(),
         plugins_hash=manager.manifest_hash(),
+        cpu_linear_kernel=linear_kernel_in_use(),
     )
     checkpoints = CheckpointManager(run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save)
     context = TrainContext(config, run_dir, model, optimizer, parts.scheduler, tokens_per_step=parts.tokens_per_step)
@@ -380,6 +400,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory) -> Tr
         failure.outcome = stop_for_plugin(failure, checkpoints, context, parts.train_batches, parts.dims, manager)
         raise
     finally:  # never replaces the exception that ended the run
+        parts.train_batches.close()  # a reader thread (on CUDA) ends here, whatever ended the run
         trained = context.step > resumed_at  # else there is no final loss of this start to report
         summary = {"final_loss": loss, "steps": context.step} if trained else {"steps": context.step}
         end_run(manager, context, status, started, backends, checkpoints, summary)
@@ -507,7 +528,10 @@ def _train_step(
         for micro in range(accum):
             batch = next(batches)
             sync = micro == accum - 1 or not config.distributed.defer_grad_reduction
-            with _gradient_sync(model, enabled=sync), collect_aux() as reports:
+            # Under tp, a loss that can takes the logits split over the vocabulary (forward,
+            # loss and backward all inside the region); any other, the full logits.
+            sharded_loss = loss_parallel_for(parts.dims.tp, parts.loss_fn)
+            with _gradient_sync(model, enabled=sync), collect_aux() as reports, sharded_loss:
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                     logits, labels = _forward(model, batch, context_parallel)
                     loss = parts.loss_fn(logits, labels)

@@ -27,6 +27,7 @@ from forge_float8.plugin import Float8Options
 from forge_lm.distributed import ModelTransform, TransformContext
 from forge_lm.distributed.launch import is_main_process
 from forge_lm.errors import ConfigError
+from forge_lm.model.linear import Linear as ForgeLinear
 
 HEAD = "output"  # the output head: its logits feed the loss directly (DeepSeek-V3 kept it in bf16 too)
 MULTIPLE = 16  # torch._scaled_mm needs both sizes of the weight to be multiples of 16
@@ -75,8 +76,9 @@ def conversion_plan(model: nn.Module, options: Float8Options, check_patterns: bo
         out_features, in_features = module.weight.shape
         if name == HEAD:
             skipped.append((name, "the output head"))
-        elif type(module) is not nn.Linear:
-            # Float8Linear replaces the module, so a subclass's own forward would be lost.
+        elif type(module) not in (nn.Linear, ForgeLinear):
+            # Float8Linear replaces the module, so a subclass's own forward would be lost. Forge's
+            # own Linear only picks a CPU kernel for its fp32 product: float8 replaces that product.
             skipped.append((name, f"a subclass of nn.Linear ({type(module).__qualname__}), not converted"))
         elif included is None:
             skipped.append((name, "matches no include pattern"))

@@ -1,0 +1,160 @@
+"""Linear layers whose fp32 CPU matrix products run on oneDNN.
+
+On CPU, ``F.linear`` in fp32 goes through the BLAS PyTorch was built with (MKL's sgemm). On
+AMD EPYC processors MKL takes its AVX2 path, about 0.45x of what oneDNN's fp32 GEMM reaches on
+the same cores (``benchmarks/bench_train.py`` records both rates). oneDNN ships inside
+x86 PyTorch builds, so Forge routes the three products of its own linear layers there: the
+forward product, the input gradient and the weight gradient.
+
+The path is taken only where it is the same computation: a plain (not distributed, not
+quantized) fp32 tensor on the CPU with autocast off. Everything else (CUDA, bf16 autocast, a
+DTensor under tensor parallelism, a float8 weight) goes to ``F.linear`` unchanged. The
+results differ from MKL's in the last bits (a different summation order), never in more; a
+run is still bitwise reproducible, since each kernel is deterministic for a given thread count.
+``[train] cpu_linear_kernel = "aten"`` turns the path off, for bitwise agreement with a plain
+PyTorch model.
+
+The products are ``torch.library`` custom ops with their own backward, so ``torch.compile``
+keeps them as single opaque calls instead of breaking the graph or re-deriving them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KERNELS = ("auto", "onednn", "aten")
+
+
+def onednn_available() -> bool:
+    """Whether this torch build can run fp32 linear products on oneDNN."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+# Set per run by set_kernel(); a process-wide switch like torch.backends' flags.
+_enabled = onednn_available()
+
+
+def resolve_kernel(kernel: str) -> bool:
+    """Whether ``[train] cpu_linear_kernel = kernel`` means oneDNN on this machine."""
+    if kernel not in KERNELS:
+        raise ValueError(f"cpu_linear_kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    return kernel != "aten" and onednn_available()
+
+
+def set_kernel(kernel: str) -> bool:
+    """Make Forge's linear layers use ``kernel`` from now on; returns whether oneDNN is on."""
+    global _enabled
+    _enabled = resolve_kernel(kernel)
+    return _enabled
+
+
+def kernel_in_use() -> str:
+    """The kernel fp32 CPU products of Forge's linear layers take now: "onednn" or "aten"."""
+    return "onednn" if _enabled else "aten"
+
+
+@contextlib.contextmanager
+def kernel(kernel: str) -> Iterator[None]:
+    """Use ``kernel`` inside the block, then restore the previous choice."""
+    global _enabled
+    before = _enabled
+    set_kernel(kernel)
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # _enabled already includes oneDNN's availability (set_kernel); dynamo traces this check.
+    # type() is exact on purpose: subclasses (DTensor, float8 tensors, FSDP's sharded
+    # parameters) carry their own dispatch and must keep it.
+    return (
+        _enabled
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and type(weight) in (torch.Tensor, nn.Parameter)
+        and type(x) in (torch.Tensor, nn.Parameter)
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; its fp32 CPU product on oneDNN where that applies."""
+    if not _takes_onednn(x, weight):
+        return F.linear(x, weight, bias)
+    out = torch.ops.forge.onednn_linear(x, weight)
+    return out if bias is None else out + bias
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, names, initialisation and layout for tensor parallelism
+    and checkpoints) whose fp32 CPU product runs on oneDNN; see the module's docstring."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def _onednn_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """``a @ b_t.T`` on oneDNN, for 2-D ``a`` [M, K] and ``b_t`` [N, K] of any strides."""
+    return torch.ops.mkldnn._linear_pointwise(a, b_t, None, "none", [], "")
+
+
+@torch.library.custom_op("forge::onednn_linear", mutates_args=())
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    return _onednn_mm(flat, weight).reshape(*x.shape[:-1], weight.shape[0])
+
+
+@_onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad.T @ x``, [N, K]. oneDNN is faster than MKL for this product too on AMD EPYC
+    (benchmarks/bench_train.py's kernel table), by less than for the other two: its
+    reduction runs over every token of the batch."""
+    return _onednn_mm(grad.t(), x.t())
+
+
+@torch.library.custom_op("forge::onednn_linear_backward", mutates_args=())
+def _onednn_linear_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_input: bool, need_weight: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    flat_grad = grad.reshape(-1, grad.shape[-1])
+    flat_x = x.reshape(-1, x.shape[-1])
+    # grad @ weight is (grad) @ (weight.T).T: oneDNN takes the transposed view without a copy.
+    grad_x = _onednn_mm(flat_grad, weight.t()).reshape(x.shape) if need_input else x.new_empty(0)
+    grad_w = _weight_grad(flat_grad, flat_x) if need_weight else weight.new_empty(0)
+    return grad_x, grad_w
+
+
+@_onednn_linear_backward.register_fake
+def _(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_input: bool, need_weight: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x.new_empty(x.shape) if need_input else x.new_empty(0)), (
+        weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)
+    )
+
+
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: torch.Tensor) -> None:
+    x, weight = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+    x, weight = ctx.saved_tensors
+    need_input, need_weight = ctx.needs_input_grad
+    grad_x, grad_w = torch.ops.forge.onednn_linear_backward(grad, x, weight, need_input, need_weight)
+    return (grad_x if need_input else None), (grad_w if need_weight else None)
+
+
+_onednn_linear.register_autograd(_backward, setup_context=_setup_context)
