@@ -27,6 +27,7 @@ import torch
 from _record import alternate, median, save, timed
 
 from forge_lm.model.swiglu import SwiGLU
+from forge_moe.experts import dispatch, resolve_kernel
 from forge_moe.layer import MoELayer
 from forge_moe.routers import SigmoidTopKRouter, SoftmaxTopKRouter
 
@@ -34,6 +35,13 @@ DIM, N_EXPERTS, TOP_K, EXPERT_HIDDEN = 256, 8, 2, 256
 BATCH, SEQ = 4, 512
 DENSE = "dense swiglu (same active size)"
 LOOP = "moe loop over experts"
+AUTO = "moe auto (as forge-moe picks)"
+PARTS = (
+    "part: routing (softmax_topk router)",
+    "part: permutation (dispatch + gather rows)",
+    "part: experts alone (auto kernel)",
+    "part: combine (weight + scatter + top-k sum)",
+)
 GROUPED = "moe grouped_mm"
 FINE_GROUPED = "fine-grained moe grouped_mm"
 FINE_LOOP = "fine-grained moe loop over experts"
@@ -81,6 +89,45 @@ def router_step(router: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype | N
     return lambda: timed(step)
 
 
+def breakdown_steps(x: torch.Tensor) -> dict[str, Callable[[], float]]:
+    """The MoE layer's parts, each forward and backward alone on the inputs the layer would give
+    it (fp32, dropless, the routing of the grouped layer's weights): where the time beyond the
+    experts' matmuls goes. Together they are the layer (up to the autograd glue between them)."""
+    layer = moe_layer("auto")
+    tokens, top_k = BATCH * SEQ, TOP_K
+    flat = x.reshape(tokens, DIM)
+    with torch.no_grad():
+        routing = layer.router(x)
+        plan = dispatch(routing.indices, N_EXPERTS)
+    source = plan.slots // top_k
+    generator = torch.Generator().manual_seed(3)
+    rows_grad = torch.randn(plan.slots.numel(), DIM, generator=generator)
+    out_grad = torch.randn(tokens, DIM, generator=generator)
+    rows_in = flat[source].clone()
+    y_in = torch.randn(plan.slots.numel(), DIM, generator=generator)
+    weights_in = routing.weights.detach().clone()
+
+    def permute() -> None:  # sort by expert and gather each assignment's token row
+        leaf = flat.detach().requires_grad_()
+        order = dispatch(routing.indices, N_EXPERTS)
+        leaf.index_select(0, order.slots // top_k).backward(rows_grad)
+
+    def experts() -> None:  # the experts' SwiGLU on their rows, as auto runs it
+        rows = rows_in.detach().requires_grad_()
+        layer.experts.zero_grad(set_to_none=True)
+        layer.experts(rows, plan.counts, layer.kernel, None).backward(rows_grad)
+
+    def combine() -> None:  # weight each expert output and sum a token's top-k back together
+        y = y_in.detach().requires_grad_()
+        weights = weights_in.detach().requires_grad_()
+        scaled = y * weights.reshape(-1).index_select(0, plan.slots).unsqueeze(-1)
+        combined = scaled.new_zeros(tokens * top_k, DIM).index_copy(0, plan.slots, scaled)
+        combined.view(tokens, top_k, DIM).sum(dim=1).backward(out_grad)
+
+    steps = (router_step(layer.router, x, None), lambda: timed(permute), lambda: timed(experts), lambda: timed(combine))
+    return dict(zip(PARTS, steps, strict=True))
+
+
 def variants(x: torch.Tensor) -> dict[tuple[str, str], Callable[[], float]]:
     torch.manual_seed(1)
     dense = SwiGLU(DIM, TOP_K * EXPERT_HIDDEN)
@@ -95,12 +142,15 @@ def variants(x: torch.Tensor) -> dict[tuple[str, str], Callable[[], float]]:
         out[(dtype_name, "moe grouped_mm, capacity 1.25")] = layer_step(moe_layer("grouped_mm", 1.25), x, dtype)
         out[(dtype_name, "moe padded bmm")] = layer_step(moe_layer("padded"), x, dtype)
         out[(dtype_name, LOOP)] = layer_step(moe_layer("loop"), x, dtype)
+        out[(dtype_name, AUTO)] = layer_step(moe_layer("auto"), x, dtype)
         for name, router in routers.items():
             out[(dtype_name, name)] = router_step(router.train(), x, dtype)
     # Fine-grained experts, same active size: 32 experts of a quarter the hidden size, top-8 (fp32 only).
     fine = {"n_experts": 4 * N_EXPERTS, "top_k": 4 * TOP_K, "hidden": EXPERT_HIDDEN // 4}
     for kernel, what in (("grouped_mm", FINE_GROUPED), ("padded", "fine-grained moe padded bmm"), ("loop", FINE_LOOP)):
         out[("fp32", what)] = layer_step(moe_layer(kernel, **fine), x, None)
+    for what, step in breakdown_steps(x).items():
+        out[("fp32", what)] = step
     return out
 
 
@@ -158,6 +208,16 @@ def main() -> None:
                 "meaning": "1 would be a dropless MoE layer as fast as its dense equivalent",
             },
         ]
+    auto = medians[("fp32", AUTO)]
+    parts = {what: medians[("fp32", what)] for what in PARTS}
+    headline.append(
+        {
+            "measure": "MoE layer fp32 as forge-moe runs it (auto kernel): dense of equal active size / MoE (time)",
+            "value": medians[("fp32", DENSE)] / auto,
+            "meaning": "target 0.9; the parts' share of the layer: "
+            + ", ".join(f"{what.removeprefix('part: ')} {value / auto:.2f}" for what, value in parts.items()),
+        }
+    )
     fine_loop = medians[("fp32", FINE_LOOP)] / medians[("fp32", FINE_GROUPED)]
     headline += [
         {
@@ -178,7 +238,12 @@ def main() -> None:
             f"over fp32 weights. Medians of {args.rounds} alternating rounds after {args.warmup} warm-up rounds; "
             "speed_vs_*: that layer's median time over this row's (higher is faster); time_vs_moe_grouped: this "
             "row's median over the grouped MoE layer's (the routers' share of the layer). Fine-grained rows: "
-            f"{4 * N_EXPERTS} experts of hidden {EXPERT_HIDDEN // 4}, top-{4 * TOP_K}, compared with their own loop."
+            f"{4 * N_EXPERTS} experts of hidden {EXPERT_HIDDEN // 4}, top-{4 * TOP_K}, compared with their own loop. "
+            "Linear products: the core's default (fp32 on CPU: oneDNN, forge_lm.model.linear), in the dense layer and "
+            "the loop over experts alike; grouped_mm and bmm use torch's own kernels. `auto`: the kernel forge-moe "
+            f"picks here ({resolve_kernel('auto', x.reshape(-1, DIM), EXPERT_HIDDEN)} in fp32). `part:` rows: the "
+            "auto layer's parts, each forward and backward alone on the inputs the layer gives it (fp32, dropless), "
+            "time_vs_moe_grouped over the grouped layer's time; the headline gives them as shares of the auto layer."
         ),
         headline=headline,
     )

@@ -141,6 +141,21 @@ def test_aten_is_bitwise_a_plain_nn_linear() -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(("rows", "features"), [(0, 16), (4, 0)])
+def test_empty_products_are_zeros_with_gradients(rows: int, features: int) -> None:
+    # an expert that received no tokens, or a layer with no inputs: oneDNN itself refuses them
+    layer = Linear(features, 8, bias=False)
+    x = torch.randn(rows, features, requires_grad=True)
+    with kernel("onednn"):
+        out = layer(x)
+        out.sum().backward()
+    assert out.shape == (rows, 8)
+    assert not out.any()
+    assert x.grad.shape == (rows, features)
+    assert layer.weight.grad.shape == (8, features)
+    assert not layer.weight.grad.any()
+
+
 def test_onednn_is_deterministic() -> None:
     torch.manual_seed(0)
     layer = Linear(64, 48)

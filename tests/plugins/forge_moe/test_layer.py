@@ -270,3 +270,18 @@ def test_router_options_are_validated_in_their_own_table(moe_manager):
 )
 def test_moe_layer_passes_the_feed_forward_conformance_kit(check):
     check()
+
+
+def test_auto_takes_the_onednn_loop_in_fp32_on_cpu_and_the_probe_otherwise(monkeypatch):
+    from forge_lm.model.linear import kernel as linear_kernel
+    from forge_lm.model.linear import onednn_available
+    from forge_moe.experts import resolve_kernel
+
+    fp32, bf16 = torch.randn(4, DIM), torch.randn(4, DIM, dtype=torch.bfloat16)
+    if onednn_available():
+        with linear_kernel("onednn"):
+            assert resolve_kernel("auto", fp32, HIDDEN) == "loop"
+            assert resolve_kernel("auto", bf16, HIDDEN) == "grouped_mm"  # bf16: the probe decides
+            assert resolve_kernel("padded", fp32, HIDDEN) == "padded"  # a named kernel is kept
+    with linear_kernel("aten"):
+        assert resolve_kernel("auto", fp32, HIDDEN) == "grouped_mm"

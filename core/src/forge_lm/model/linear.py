@@ -21,6 +21,7 @@ keeps them as single opaque calls instead of breaking the graph or re-deriving t
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -103,13 +104,19 @@ class Linear(nn.Linear):
 
 def _onednn_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     """``a @ b_t.T`` on oneDNN, for 2-D ``a`` [M, K] and ``b_t`` [N, K] of any strides."""
+    if 0 in (*a.shape, b_t.shape[0]):  # oneDNN refuses empty products (an expert with no tokens)
+        return a.new_zeros(a.shape[0], b_t.shape[0])
     return torch.ops.mkldnn._linear_pointwise(a, b_t, None, "none", [], "")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 2-D [rows, features] view (reshape(-1, 0) is ambiguous for empty features)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 @torch.library.custom_op("forge::onednn_linear", mutates_args=())
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
-    return _onednn_mm(flat, weight).reshape(*x.shape[:-1], weight.shape[0])
+    return _onednn_mm(_rows(x), weight).reshape(*x.shape[:-1], weight.shape[0])
 
 
 @_onednn_linear.register_fake
@@ -128,8 +135,7 @@ def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _onednn_linear_backward(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_input: bool, need_weight: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    flat_grad = grad.reshape(-1, grad.shape[-1])
-    flat_x = x.reshape(-1, x.shape[-1])
+    flat_grad, flat_x = _rows(grad), _rows(x)
     # grad @ weight is (grad) @ (weight.T).T: oneDNN takes the transposed view without a copy.
     grad_x = _onednn_mm(flat_grad, weight.t()).reshape(x.shape) if need_input else x.new_empty(0)
     grad_w = _weight_grad(flat_grad, flat_x) if need_weight else weight.new_empty(0)

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
 from forge_lm import events
+from forge_lm.model.linear import kernel_in_use as linear_kernel_in_use
+from forge_lm.model.linear import linear
 
 KERNELS = ("auto", "grouped_mm", "padded", "loop")
 
@@ -111,11 +113,14 @@ def _padded_swiglu(x, counts, w1, w3, w2, pad_to):
 
 
 def _loop_swiglu(x, counts, w1, w3, w2, pad_to):
-    outputs, start = [], 0
-    for e, count in enumerate(counts.tolist()):
-        rows = x[start : start + count]
-        outputs.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
-        start += count
+    # One product per expert and projection, each through Forge's linear: on CPU in fp32 that is
+    # oneDNN's GEMM (forge_lm.model.linear), which torch._grouped_mm and bmm do not reach.
+    # split and unbind, not slicing and indexing: their backward passes concatenate and stack
+    # the pieces' gradients once, where each slice or index would add its gradient into a zero
+    # tensor the size of the whole.
+    sizes = counts.tolist()  # the split sizes: a host read (free on the CPU)
+    pieces = zip(x.split(sizes), w1.unbind(0), w3.unbind(0), w2.unbind(0), strict=True)
+    outputs = [linear(F.silu(linear(rows, gate)) * linear(rows, up), down) for rows, gate, up, down in pieces]
     return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
 
 
@@ -206,13 +211,26 @@ _TRACES_GROUPED_MM = {dtype: _grouped_mm_traces(dtype) for dtype in (torch.float
 
 
 def resolve_kernel(kernel: str, x: torch.Tensor, hidden: int) -> str:
-    """``"auto"``: ``grouped_mm`` where it works for ``x``'s device and dtype, else ``padded``.
+    """``"auto"``: ``loop`` in fp32 on a CPU with oneDNN linear products (:func:`onednn_loop_chosen`),
+    else ``grouped_mm`` where it works for ``x``'s device and dtype, else ``padded``.
     Inside ``torch.compile``: ``grouped_mm`` where the compiler can trace it for ``x``'s dtype."""
     if kernel != "auto":
         return kernel
     if torch.compiler.is_compiling():
         return "grouped_mm" if _TRACES_GROUPED_MM.get(x.dtype, False) else "padded"
+    if x.device.type == "cpu" and x.dtype == torch.float32 and linear_kernel_in_use() == "onednn":
+        return onednn_loop_chosen(x.shape[-1], hidden)
     return "grouped_mm" if grouped_mm_works(x.device.type, x.dtype, x.shape[-1], hidden) else "padded"
+
+
+@functools.cache
+def onednn_loop_chosen(dim: int, hidden: int) -> str:
+    """``"loop"``, announced once per size: in fp32 on a CPU whose linear layers run on oneDNN,
+    one oneDNN product per expert outruns ``torch._grouped_mm`` and ``bmm``, which take torch's
+    BLAS (``benchmarks/bench_moe.py`` measures all three)."""
+    why = "one oneDNN GEMM per expert, faster than grouped_mm in fp32 on CPU"
+    _announce("cpu", torch.float32, dim, hidden, "loop", why)
+    return "loop"
 
 
 def expert_swiglu(

@@ -160,14 +160,15 @@ class MoELayer(nn.Module):
         limit = self.capacity(tokens)
         plan = dispatch(routing.indices, self.n_experts, limit)
         flat = x.reshape(tokens, dim)
-        rows = flat[plan.slots // self.top_k]
+        # index_select and index_copy rather than indexing: their backward passes are a gather
+        # and an index_add, where indexing's are scattered index_put (slow, serial on CPU).
+        rows = flat.index_select(0, plan.slots // self.top_k)
         if self.expert_parallel is None:
             y = self.experts(rows, plan.counts, self.kernel, limit)
         else:  # to the experts' owners and back
             y = self.expert_parallel.run(self.experts, rows, plan.counts, self.kernel, limit)
-        y = y * routing.weights.reshape(-1)[plan.slots].unsqueeze(-1).to(y.dtype)
-        combined = y.new_zeros(tokens * self.top_k, dim)
-        combined[plan.slots] = y  # dropped slots stay zero
+        y = y * routing.weights.reshape(-1).index_select(0, plan.slots).unsqueeze(-1).to(y.dtype)
+        combined = y.new_zeros(tokens * self.top_k, dim).index_copy(0, plan.slots, y)  # dropped slots stay zero
         out = combined.view(tokens, self.top_k, dim).sum(dim=1)
         if self.shared is not None:
             out = out + self.shared(flat).to(out.dtype)
