@@ -42,7 +42,7 @@ from forge_lm.data.loader import BatchLoader
 from forge_lm.data.prepare import prepare
 from forge_lm.data.stdlib import MODULES, module_source, stdlib_directory
 from forge_lm.plugins import PluginManager, PluginSettings
-from forge_lm.train.components import build, build_dataset
+from forge_lm.train.builders import build_dataset
 
 DEEP = 10**6  # samples: a long run's position
 STREAM_FILES = 4  # JSON-lines files the streamed copy of the corpus is split into
@@ -53,7 +53,7 @@ STREAM_DEEP_SHARE = 0.85  # the stream's late position: this share of a pass, re
 def write_shards(output: Path, shard_tokens: int) -> int:
     """The standard library's modules (the default corpus) as ``memmap`` shards; their token count."""
     manager = PluginManager(PluginSettings(autoload=False))
-    tokenizer = build(manager.registry, "tokenizers", load_config(None, [], manager.registry).tokenizer)
+    tokenizer = load_config(None, [], manager.registry).tokenizer.build()
     root = stdlib_directory()
     files = [str(path) for module in MODULES if (path := module_source(root, module)) is not None]
     return prepare(files, output, tokenizer, tokenizer_name="bytes", shard_tokens=shard_tokens).num_tokens
@@ -74,7 +74,7 @@ def build_loader(overrides: list[str], settings: PluginSettings) -> BatchLoader:
     """The training loader of the config ``overrides`` make, as the training loop builds it."""
     manager = PluginManager(settings)
     config = load_config(None, overrides, manager.registry)
-    tokenizer = build(manager.registry, "tokenizers", config.tokenizer)
+    tokenizer = config.tokenizer.build()
     vocab_size = config.model.vocab_size or tokenizer.vocab_size
     return BatchLoader(build_dataset(config, manager.registry, tokenizer, vocab_size, "train"), config.train.batch_size)
 

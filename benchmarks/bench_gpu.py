@@ -70,7 +70,7 @@ from forge_lm.model import build_model
 from forge_lm.model.flops import active_parameter_count, flops_per_token
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.train import loop
-from forge_lm.train.components import build, build_dataset
+from forge_lm.train.builders import build_dataset
 
 DENSE = [
     "--model.dim=2048",
@@ -202,7 +202,7 @@ class PlainLoop:
             raise ValueError("PlainLoop runs precision bf16 or fp32 with grad_accum_steps = 1")
         self.device = torch.device(config.train.device)
         self.dtype = torch.bfloat16 if config.train.precision == "bf16" else None
-        tokenizer = build(registry, "tokenizers", config.tokenizer)
+        tokenizer = config.tokenizer.build()
         vocab_size = loop._vocab_size(config, tokenizer)
         loader = iter(
             BatchLoader(build_dataset(config, registry, tokenizer, vocab_size, "train"), config.train.batch_size)
@@ -263,7 +263,7 @@ def model_info(overrides: list[str], settings: PluginSettings) -> dict[str, Any]
     ``overrides``, from a build on the meta device (no memory, no side needed)."""
     registry = PluginManager(settings).registry
     config = load_config(None, overrides, registry)
-    vocab_size = loop._vocab_size(config, build(registry, "tokenizers", config.tokenizer))
+    vocab_size = loop._vocab_size(config, config.tokenizer.build())
     model = build_model(config.model, vocab_size, registry, device="meta")
     active = active_parameter_count(model)
     return {

@@ -59,7 +59,7 @@ from forge_lm.model.linear import kernel as linear_kernel
 from forge_lm.model.linear import onednn_available
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.train import loop
-from forge_lm.train.components import build, build_dataset
+from forge_lm.train.builders import build_dataset
 
 # --------------------------------------------------------------------------------------
 # The machine's matmul peak
@@ -168,7 +168,7 @@ class ForgeSide:
         if optimizer_impl != "default":  # what an option of Forge's adamw could set
             for group in self.optimizer.param_groups:
                 group[optimizer_impl] = True
-        self.vocab_size = loop._vocab_size(config, build(registry, "tokenizers", config.tokenizer))
+        self.vocab_size = loop._vocab_size(config, config.tokenizer.build())
         # The plain loop's copy: same class, same weights, never compiled.
         self.initial_model = build_model(config.model, self.vocab_size, registry).to(self.device)
         self.initial_model.load_state_dict(self.model.state_dict())
@@ -187,7 +187,7 @@ class ForgeSide:
     def fresh_batches(self, count: int) -> list[dict[str, torch.Tensor]]:
         """The first ``count`` batches this side's loader hands out, from a loader of their own."""
         dataset = build_dataset(
-            self.config, self.manager.registry, build(self.manager.registry, "tokenizers", self.config.tokenizer),
+            self.config, self.manager.registry, self.config.tokenizer.build(),
             self.vocab_size, "train",
         )  # fmt: skip
         batches = iter(BatchLoader(dataset, self.config.train.batch_size))

@@ -28,7 +28,7 @@ from _record import HERE, RESULTS, headlines, write_results_md
 # (script, its arguments in the full run, in a --quick run): sized for < 15 minutes in all.
 BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_startup.py", ["--rounds", "10"], ["--rounds", "2", "--warmup", "1"]),
-    ("bench_train.py", ["--rounds", "3", "--steps", "10"], ["--quick"]),
+    ("bench_train.py", ["--rounds", "3", "--steps", "10", "--compile"], ["--quick"]),
     ("bench_data.py", ["--rounds", "5"], ["--quick"]),
     ("bench_checkpoint.py", ["--rounds", "5"], ["--quick"]),
     ("bench_muon.py", ["--rounds", "3"], ["--rounds", "2", "--warmup", "1"]),

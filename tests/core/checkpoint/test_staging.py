@@ -16,7 +16,6 @@ from forge_lm.config import load_config
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.testing.distributed import torchrun
-from forge_lm.train.components import build
 
 WORKER = Path(__file__).parent / "workers" / "async_save_worker.py"
 MODEL = [
@@ -171,7 +170,7 @@ def test_a_two_rank_async_checkpoint_loads_bitwise_in_one_process(two_rank_saves
     manager = PluginManager(PluginSettings(autoload=False))
     config = load_config(None, MODEL, manager.registry)
     model = build_model(config.model, 257, manager.registry, seed=123)
-    optimizer = build(manager.registry, "optimizers", config.optimizer, model)
+    optimizer = config.optimizer.build(model)
     state = CheckpointManager(two_rank_saves / "run").load(model, optimizer)
     assert state["step"] == 2  # the newest
     expected = torch.load(two_rank_saves / "expected.pt", weights_only=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+import torch
 
 from forge_lm.config import ComponentConfig, ForgeConfig
 from forge_lm.default_plugins.feed_forwards import SwiGLUOptions
@@ -388,3 +389,29 @@ def test_a_plugins_configure_hook_rejects_a_combination_with_a_config_error(buil
     with pytest.raises(ConfigError) as info:
         builtins.configure(config)
     assert str(info.value) == "[loss] name = 'focal' needs [optimizer] lr <= 0.01, got 0.1."
+
+
+def test_a_selected_component_builds_itself_and_a_failing_factory_names_it(load):
+    # The one way to build a selected component: its config builds it, with its options and the
+    # category's arguments; a factory's crash is a PluginError naming it, a ForgeError passes as is.
+    from forge_lm.errors import ForgeError, PluginError
+
+    config = load(None, "--optimizer.lr=0.5")
+    model = torch.nn.Linear(2, 2)
+    optimizer = config.optimizer.build(model)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert optimizer.param_groups[0]["lr"] == 0.5
+
+    with pytest.raises(PluginError, match=r"optimizer 'adamw' from .* could not be built: AttributeError: .*Check"):
+        config.optimizer.build("not a model")
+    component = config.optimizer.component
+
+    def refuses(options, model):
+        raise ForgeError("set lr below 1")
+
+    broken = attrs.evolve(component, factory=refuses)
+    with pytest.raises(ForgeError, match=r"^set lr below 1$") as caught:
+        ComponentConfig("adamw", config.optimizer.options, broken).build(model)
+    assert type(caught.value) is ForgeError
+    with pytest.raises(TypeError, match="was not resolved"):
+        ComponentConfig("adamw").build(model)

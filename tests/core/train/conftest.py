@@ -14,7 +14,6 @@ from forge_lm.config import ForgeConfig, load_config
 from forge_lm.distributed import ParallelDims
 from forge_lm.plugins import PluginManager
 from forge_lm.testing import TINY_MODEL
-from forge_lm.train.components import build
 
 TINY = (
     *TINY_MODEL,
@@ -53,7 +52,7 @@ def one_process_parts(manager: PluginManager) -> Callable[..., Any]:
         fields.update(
             model=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.0),  # lr 0: only the gradients matter
-            loss_fn=build(manager.registry, "losses", config.loss),
+            loss_fn=config.loss.build(),
             device=torch.device("cpu"),
             dims=ParallelDims(),
         )

@@ -21,7 +21,7 @@ from forge_lm.data.loader import BatchLoader
 from forge_lm.errors import ConfigError
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.train import train
-from forge_lm.train.components import build_dataset
+from forge_lm.train.builders import build_dataset
 from forge_lm.train.inference import load_for_inference
 
 CODE = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n\n" for i in range(40))  # about 1,400 bytes

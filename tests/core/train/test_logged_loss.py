@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from forge_lm.data.loader import BatchLoader
 from forge_lm.model import build_model
-from forge_lm.train.components import build, build_dataset
+from forge_lm.train.builders import build_dataset
 from forge_lm.train.evaluate import Evaluator
 from forge_lm.train.loop import _loss_of, _train_step
 
@@ -57,7 +57,7 @@ def test_eval_loss_and_perplexity_are_those_of_the_cross_entropy(tiny_config, ma
     model = build_model(config.model, VOCAB, manager.registry).eval()
     data = build_dataset(config, manager.registry, None, VOCAB, "eval")
     evaluator = Evaluator(data, 4, 2, torch.device("cpu"), None, VOCAB)
-    results = evaluator.run(_loss_of(model, build(manager.registry, "losses", config.loss)), lambda value: value)
+    results = evaluator.run(_loss_of(model, config.loss.build()), lambda value: value)
 
     with torch.no_grad():
         want = []

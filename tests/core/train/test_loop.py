@@ -53,7 +53,7 @@ def test_logged_learning_rate_follows_the_schedule_and_never_starts_at_zero(tiny
 def test_first_logged_loss_equals_the_loss_of_the_initial_model_on_the_first_batch(tiny_config, manager):
     from forge_lm.data.loader import BatchLoader
     from forge_lm.model import build_model
-    from forge_lm.train.components import build_dataset
+    from forge_lm.train.builders import build_dataset
 
     config = tiny_config("--train.max_steps=1")
     torch.manual_seed(config.train.seed)
@@ -110,7 +110,7 @@ class _PlainSgdPlugin:
 def test_gradient_clipping_bounds_the_update_and_logs_the_unclipped_norm(tiny_config, manager):
     from forge_lm.data.loader import BatchLoader
     from forge_lm.model import build_model
-    from forge_lm.train.components import build_dataset
+    from forge_lm.train.builders import build_dataset
 
     lr, max_norm = 0.5, 0.05
     manager.add_plugin(_PlainSgdPlugin(), "plain_sgd")
@@ -168,7 +168,7 @@ def test_auxiliary_losses_reach_the_gradient_once_and_are_logged(tiny_config, ma
     config = tiny_config("--model.ffn.name=aux_ffn", "--train.grad_clip=0")  # unclipped, like the reference
     from forge_lm.data.loader import BatchLoader
     from forge_lm.model import build_model
-    from forge_lm.train.components import build_dataset
+    from forge_lm.train.builders import build_dataset
 
     def fresh():
         torch.manual_seed(0)

@@ -22,12 +22,12 @@ from forge_lm.errors import ForgeError
 from forge_lm.losses.vocab_parallel import VocabParallelLoss
 from forge_lm.model import build_model
 from forge_lm.train import loop
-from forge_lm.train.components import build, build_dataset
+from forge_lm.train.builders import build_dataset
 
 
 def _loss(manager, name: str, **options: object):
     overrides = [f"--loss.name={name}", *(f"--loss.{key}={value}" for key, value in options.items())]
-    return build(manager.registry, "losses", load_config(None, overrides, manager.registry).loss)
+    return load_config(None, overrides, manager.registry).loss.build()
 
 
 def test_plain_cross_entropy_declares_loss_parallelism_and_the_z_loss_and_chunked_losses_do_not(manager) -> None:

@@ -26,7 +26,6 @@ from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
 from forge_lm.testing.distributed import metrics_by_step, torchrun
 from forge_lm.train import TrainResult, train
-from forge_lm.train.components import build
 
 # A constant learning rate, so that a run stopped at step 2 and resumed follows the schedule of
 # one that never stopped; the model is big enough that every matrix is sharded on each layout.
@@ -100,9 +99,9 @@ def _checkpoint(run_dir: Path, step: int) -> tuple[torch.nn.Module, torch.optim.
     """The model and Muon optimizer of ``run_dir``'s step-``step`` checkpoint, in this one process."""
     manager = PluginManager()
     config = load_config(run_dir / "config.toml", [], manager.registry)
-    vocab_size = config.model.vocab_size or build(manager.registry, "tokenizers", config.tokenizer).vocab_size
+    vocab_size = config.model.vocab_size or config.tokenizer.build().vocab_size
     model = build_model(config.model, vocab_size, manager.registry)
-    optimizer = build(manager.registry, "optimizers", config.optimizer, model)
+    optimizer = config.optimizer.build(model)
     state = CheckpointManager(run_dir).load(model, optimizer, only=run_dir / "checkpoints" / f"step_{step}")
     assert state is not None, f"{run_dir} has no step-{step} checkpoint"
     assert state["step"] == step

@@ -53,7 +53,6 @@ def run(args, overrides, plugins) -> int:
     from forge_lm.config import ComponentConfig, structure_options
     from forge_lm.errors import ConfigError, ForgeError, PluginError, UsageError
     from forge_lm.plugins._hints import known_provider
-    from forge_lm.train.components import _build
     from forge_lm.train.inference import load_for_inference
 
     manager = plugins()
@@ -94,7 +93,7 @@ def run(args, overrides, plugins) -> int:
     )
     # Built as a training run builds it: a factory failing with anything but a ForgeError is
     # reported naming the plugin, not as a traceback.
-    evaluator = _build(component, ComponentConfig(component.name, options), context)
+    evaluator = ComponentConfig(component.name, options, component).build(context)
     with torch.no_grad():
         evaluator.evaluate(model, step)
     results = getattr(evaluator, "results", None)

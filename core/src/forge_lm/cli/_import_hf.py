@@ -29,7 +29,6 @@ def run(args, overrides, plugins) -> int:
     from forge_lm.errors import ConfigError
     from forge_lm.model import build_model
     from forge_lm.model.hf import import_with_plugins
-    from forge_lm.train.components import build
     from forge_lm.train.run_dir import prepare_run_dir
 
     hf_dir = Path(args.hf_dir)
@@ -48,7 +47,7 @@ def run(args, overrides, plugins) -> int:
     if Path(config.train.output_dir, "config.toml").exists():
         raise ConfigError(f"[train] output_dir: '{config.train.output_dir}' already holds a run; choose a new one.")
     run_dir, _ = prepare_run_dir(config, manager)
-    optimizer = build(manager.registry, "optimizers", config.optimizer, model)  # fresh: nothing trained yet
+    optimizer = config.optimizer.build(model)  # fresh: nothing trained yet
     # Step 0 with no scheduler or data position: `forge train` on this directory starts
     # training from the imported weights.
     state = {"tokens_seen": 0, "plugins": {}, "imported_from": str(hf_dir.resolve())}

@@ -46,8 +46,7 @@ def run(args, overrides, plugins) -> int:
 
     registry = plugins().registry
     config = load_config(args.config, overrides, registry)
-    chosen = config.tokenizer
-    tokenizer = registry.resolve("tokenizers", chosen.name).build(chosen.options)
+    tokenizer = config.tokenizer.build()
     columns = (TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("tokenizing", total=None)
@@ -55,7 +54,7 @@ def run(args, overrides, plugins) -> int:
             args.inputs,
             Path(args.output),
             tokenizer,
-            tokenizer_name=chosen.name,
+            tokenizer_name=config.tokenizer.name,
             format=args.format,
             text_field=args.text_field,
             shard_tokens=args.shard_tokens,

@@ -31,10 +31,12 @@ OPTIONS_OF = "forge_lm.options_of"  # attrs field metadata: options of always-pr
 class ComponentConfig:
     """A selected component: its registered ``name`` and its validated ``options`` object.
 
-    A config from the loader also carries the resolved registry entry, so code holding only
-    the config (a component whose options select another component, such as an MoE layer
-    and its router) can build it: ``chosen.build(*args)``. The entry is not part of the
-    config's value: it is neither compared nor written out.
+    A config from the loader also carries the resolved registry entry, and ``chosen.build(*args)``
+    is the one way to build a selected component: with its options and the category's factory
+    arguments, a factory's failure reported as a PluginError naming the component and its
+    plugin. Code holding only the config (a component whose options select another, such as an
+    MoE layer and its router) builds it the same way. The entry is not part of the config's
+    value: it is neither compared nor written out.
     """
 
     name: str
@@ -45,7 +47,7 @@ class ComponentConfig:
         """The component built with these options and the category's factory arguments."""
         if self.component is None:
             raise TypeError(f"component '{self.name}' was not resolved; load configs with forge_lm.config.load_config")
-        return self.component.build(self.options, *args, **kwargs)
+        return self.component.build_for_run(self.options, *args, **kwargs)
 
 
 def component(category: str, default: str, doc: str) -> Any:

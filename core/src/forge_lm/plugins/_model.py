@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from forge_lm.errors import PluginError
+from forge_lm.errors import ForgeError, PluginError
 from forge_lm.plugins._categories import singular
 
 
@@ -100,3 +100,25 @@ class Component:
     def build(self, options: Any, *args: Any, **kwargs: Any) -> Any:
         """Call the factory with the component's validated options and the category's arguments."""
         return self.load_factory()(options, *args, **kwargs)
+
+    def build_for_run(self, options: Any, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`build`, where a factory failing with anything but a ForgeError (which says what
+        to fix) is reported as a PluginError naming the component and its plugin, not as a
+        traceback: what a run (``forge train``, ``forge eval``, ...) shows its user."""
+        try:
+            return self.build(options, *args, **kwargs)
+        except ForgeError:
+            raise
+        except Exception as exc:
+            from forge_lm.plugins._calls import describe  # _calls imports this module
+
+            advice = (
+                "Check its options"
+                if self.plugin.builtin
+                else f"Check its options; if they are right, this is a bug in {self.plugin.distribution}: report "
+                "it to its authors"
+            )
+            raise PluginError(
+                f"{singular(self.category)} '{self.name}' from {self.plugin.label} could not be built: "
+                f"{describe(exc)}. {advice}."
+            ) from exc

@@ -20,7 +20,7 @@ from forge_lm.config import ForgeConfig
 from forge_lm.data.loader import BatchLoader
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.losses.aux import collect_aux
-from forge_lm.train.components import build_dataset
+from forge_lm.train.builders import build_dataset
 
 
 class Evaluator:

@@ -22,7 +22,6 @@ from forge_lm.distributed.mesh import ParallelDims
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.model import build_model
 from forge_lm.model.memory import estimate_memory, format_bytes, memory_limit
-from forge_lm.train.components import build
 from forge_lm.train.run_dir import CONFIG_FILE
 
 
@@ -38,11 +37,11 @@ def load_for_inference(path: str | Path, manager: Any) -> tuple[torch.nn.Module,
             f"{CONFIG_FILE} and {CHECKPOINTS}/, or a {CHECKPOINTS}/step_<N> directory."
         )
     config = load_config(run_dir / CONFIG_FILE, [], manager.registry)
-    tokenizer = build(manager.registry, "tokenizers", config.tokenizer)
+    tokenizer = config.tokenizer.build()
     vocab_size = config.model.vocab_size or tokenizer.vocab_size
     _check_fits(config, vocab_size, manager.registry, run_dir)
     model = build_model(config.model, vocab_size, manager.registry)
-    optimizer = build(manager.registry, "optimizers", config.optimizer, model)
+    optimizer = config.optimizer.build(model)
     state = CheckpointManager(run_dir).load(model, optimizer, only=path if single else None)
     if state is None:
         raise ForgeError(f"run directory '{run_dir}' has no checkpoint yet; train it first.")

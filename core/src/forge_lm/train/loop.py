@@ -62,9 +62,8 @@ from forge_lm.model.linear import set_kernel as set_linear_kernel
 from forge_lm.model.memory import check_memory, model_vocab_size
 from forge_lm.plugins import PluginManager
 from forge_lm.plugins._calls import PluginHookFailed
-from forge_lm.train.components import (
+from forge_lm.train.builders import (
     CheckedEvaluator,
-    build,
     build_dataset,
     build_evaluators,
     build_metrics_backends,
@@ -159,7 +158,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     check_same_plugins(manager.manifest(), manager.manifest_hash())
     dp_rank, dp_size = dp_coordinates(mesh)
     seed_everything(config.train.seed)  # every rank builds the same initial model
-    tokenizer = build(registry, "tokenizers", config.tokenizer)
+    tokenizer = config.tokenizer.build()
     vocab_size = _vocab_size(config, tokenizer)
     check_memory(config, vocab_size, registry, dims, device, dtype, agree)  # a run that cannot fit stops here
     # Under torchrun no rank holds the whole model: it is built on the meta device (no memory),
@@ -182,8 +181,8 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     applied = apply_model_transforms(model, TransformContext(config, dims, mesh, device, dtype), registry)
     if on_meta:
         materialize(model, device, config.train.seed)
-    optimizer = build(registry, "optimizers", config.optimizer, model)
-    loss_fn = build(registry, "losses", config.loss)
+    optimizer = config.optimizer.build(model)
+    loss_fn = config.loss.build()
     if pipeline is not None:
         pipeline.finish(loss_fn)
     evaluator = None
@@ -211,7 +210,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
             rank=launch.rank,
             world_size=launch.world_size,
         )
-        evaluators = build_evaluators(config, registry, evaluator_context)
+        evaluators = build_evaluators(config, evaluator_context)
     if dims.distributed and is_main_process():
         print(f"forge: {dims.describe()}; model transforms: {', '.join(applied) or 'none'}", file=sys.stderr)
     train_data = build_dataset(config, registry, tokenizer, vocab_size, "train", dp_rank, dp_size)
@@ -223,7 +222,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         model=model,
         pipeline=pipeline,
         optimizer=optimizer,
-        scheduler=build(registry, "schedulers", config.scheduler, optimizer, config.train.max_steps),
+        scheduler=config.scheduler.build(optimizer, config.train.max_steps),
         loss_fn=loss_fn,
         train_batches=BatchLoader(
             train_data, config.train.batch_size, vocab_size, f"the '{config.data.name}' data", **batch_transfer(device)
@@ -231,7 +230,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         evaluator=evaluator,
         evaluators=evaluators,
         # Metrics are the main process's job; the others report through it.
-        backends=build_metrics_backends(config, registry, Path(config.train.output_dir)) if is_main_process() else [],
+        backends=build_metrics_backends(config, Path(config.train.output_dir)) if is_main_process() else [],
         tokens_per_step=config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps * dp_size,
         flops_per_token=flops,
         **_peak(device, dtype, config.metrics.peak_flops, dims.world_size),

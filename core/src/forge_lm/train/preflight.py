@@ -25,7 +25,6 @@ from forge_lm.model.memory import (
     processes_on_host,
     refusal,
 )
-from forge_lm.train.components import build
 from forge_lm.train.device import autocast_dtype, resolve_device
 
 
@@ -33,7 +32,7 @@ def validation_report(config: ForgeConfig, registry: Any) -> str:
     """For ``forge config validate``: the estimate, and the device it was checked against, as
     ``forge train`` would run the config here (``dp_shard = -1``: the ranks of this launch, one
     outside ``torchrun``). Raises :class:`ConfigError` where ``forge train`` would refuse it."""
-    vocab_size = model_vocab_size(config, build(registry, "tokenizers", config.tokenizer))
+    vocab_size = model_vocab_size(config, config.tokenizer.build())
     section = config.distributed
     dp_shard = section.dp_shard
     if dp_shard == -1:

@@ -20,7 +20,6 @@ from forge_lm.distributed.launch import exit_process
 from forge_lm.distributed.reduce import mean_over_data_parallel
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
-from forge_lm.train.components import build
 from forge_lm.train.loop import _build, _gradient_sync, _train_step
 
 BATCH, SEQ, VOCAB, ACCUM = 4, 16, 257, 2
@@ -103,7 +102,7 @@ def main() -> int:
     error = max((full(p.grad) - expected[name].grad).abs().max().item() for name, p in parts.model.named_parameters())
 
     # One optimizer step on the sharded parameters against the same optimizer in one process.
-    reference_optimizer = build(manager.registry, "optimizers", config.optimizer, reference)
+    reference_optimizer = config.optimizer.build(reference)
     before = {name: p.detach().clone() for name, p in reference.named_parameters()}
     parts.optimizer.step()
     reference_optimizer.step()

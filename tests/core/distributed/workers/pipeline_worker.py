@@ -39,7 +39,6 @@ from forge_lm.errors import ForgeError
 from forge_lm.losses.aux import collect_aux, report_aux_loss
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
-from forge_lm.train.components import build
 
 VOCAB, BATCH, SEQ = 97, 2, 16
 ATOL, RTOL = 1e-6, 1e-5
@@ -114,7 +113,7 @@ def run_case(case: dict, manager: PluginManager, mesh, pp_group, rank: int) -> d
     reference = copy.deepcopy(model)
     runner = PipelineRunner(model, dims, mesh, device, dtype, case["accum"])
     applied = apply_model_transforms(runner.module, TransformContext(config, dims, mesh, device, dtype), registry)
-    loss_fn = build(registry, "losses", config.loss)
+    loss_fn = config.loss.build()
     runner.finish(loss_fn)
 
     reference_params = dict(reference.named_parameters())
@@ -179,7 +178,7 @@ def run_aux_case(manager: PluginManager, mesh, rank: int) -> dict:
     dims = ParallelDims.resolve(config, dist.get_world_size())
     torch.manual_seed(0)
     runner = PipelineRunner(build_model(config.model, VOCAB, registry), dims, mesh, torch.device("cpu"), None, 2)
-    runner.finish(build(registry, "losses", config.loss))
+    runner.finish(config.loss.build())
     for block in runner.module.layers.values():
         block.feed_forward.register_forward_hook(lambda module, args, out: report_aux_loss("balance", out.sum()))
     generator = torch.Generator().manual_seed(7)

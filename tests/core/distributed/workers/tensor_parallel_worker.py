@@ -49,7 +49,6 @@ from forge_lm.errors import ForgeError
 from forge_lm.losses.vocab_parallel import VocabParallelLoss
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
-from forge_lm.train.components import build
 
 BATCH = 4  # global batch: split over the data-parallel ranks
 ATOL, RTOL = 1e-5, 1e-4  # fp32; the model's values are O(1), gradients O(1e-2)
@@ -160,7 +159,7 @@ def main() -> int:
     optimizer = torch.optim.SGD([p for _, p in parameters], lr=LR)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     seq = config.train.seq_len
-    train_loss = build(manager.registry, "losses", config.loss)  # cross_entropy, as the loop builds it
+    train_loss = config.loss.build()  # cross_entropy, as the loop builds it
     for step, (documents, in_loop) in enumerate(((False, False), (True, False), (False, True), (True, True))):
         ids, labels, document_ids = batch(step, args.vocab, seq, documents)
         local_docs = document_ids[rows] if document_ids is not None else None

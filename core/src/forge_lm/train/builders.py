@@ -1,4 +1,7 @@
-"""Build a run's components from the registry: nothing here names a concrete component."""
+"""Build the parts of a run that need a context: its datasets, evaluators and metrics
+backends, each given what it needs to know about the run. A selected component is always
+built by its config (``chosen.build(...)``, :class:`forge_lm.config.ComponentConfig`); nothing
+here names a concrete component."""
 
 from __future__ import annotations
 
@@ -9,37 +12,9 @@ from typing import Any
 
 from forge_lm.components import DataContext, EvaluatorContext, MetricsContext
 from forge_lm.config import ComponentConfig, ForgeConfig
-from forge_lm.errors import ForgeError, PluginError
 from forge_lm.metrics.guard import GuardedBackend
-from forge_lm.plugins import Component, Registry
+from forge_lm.plugins import Registry
 from forge_lm.plugins._calls import checked_metrics, describe
-from forge_lm.plugins._categories import singular
-
-
-def build(registry: Registry, category: str, chosen: ComponentConfig, *args: Any) -> Any:
-    """The component ``chosen`` names in ``category``, built with its options and ``args``."""
-    return _build(registry.resolve(category, chosen.name), chosen, *args)
-
-
-def _build(component: Component, chosen: ComponentConfig, *args: Any) -> Any:
-    """A factory that fails with anything but a ForgeError (which says what to fix) is reported
-    as a PluginError naming the component and its plugin, not as a traceback."""
-    try:
-        return component.build(chosen.options, *args)
-    except ForgeError:
-        raise
-    except Exception as exc:
-        plugin = component.plugin
-        advice = (
-            "Check its options"
-            if plugin.builtin
-            else f"Check its options; if they are right, this is a bug in {plugin.distribution}: report it to its "
-            "authors"
-        )
-        raise PluginError(
-            f"{singular(component.category)} '{component.name}' from {plugin.label} could not be built: "
-            f"{describe(exc)}. {advice}."
-        ) from exc
 
 
 def build_dataset(
@@ -65,7 +40,7 @@ def build_dataset(
         tokenizer=tokenizer,
         registry=registry,
     )
-    return build(registry, "datasets", config.data if data is None else data, context)
+    return (config.data if data is None else data).build(context)
 
 
 class CheckedEvaluator:
@@ -93,26 +68,24 @@ class CheckedEvaluator:
         return good
 
 
-def build_evaluators(config: ForgeConfig, registry: Registry, context: EvaluatorContext) -> list[CheckedEvaluator]:
+def build_evaluators(config: ForgeConfig, context: EvaluatorContext) -> list[CheckedEvaluator]:
     """Every evaluator of ``[eval] evaluators``, built (a failure names it and its plugin)."""
     built = []
     for chosen in config.eval.evaluators:
-        component = registry.resolve("evaluators", chosen.name)
-        plugin = component.plugin
-        label = f"evaluator '{component.name}' ({plugin.distribution} {plugin.version})"
-        built.append(CheckedEvaluator(label, _build(component, chosen, context), context.rank == 0))
+        plugin = chosen.component.plugin
+        label = f"evaluator '{chosen.name}' ({plugin.distribution} {plugin.version})"
+        built.append(CheckedEvaluator(label, chosen.build(context), context.rank == 0))
     return built
 
 
-def build_metrics_backends(config: ForgeConfig, registry: Registry, run_dir: Any) -> list[GuardedBackend]:
+def build_metrics_backends(config: ForgeConfig, run_dir: Any) -> list[GuardedBackend]:
     """Every backend of ``[metrics] backends``, each guarded: one that fails while the run goes
     on is turned off with a warning (see :mod:`forge_lm.metrics.guard`). One that cannot be
     built stops the run before it starts."""
     context = MetricsContext(run_dir=run_dir, run_name=Path(run_dir).name, total_steps=config.train.max_steps)
     backends = []
     for chosen in config.metrics.backends:
-        component = registry.resolve("metrics_backends", chosen.name)
-        plugin = component.plugin
-        label = f"metrics backend '{component.name}' ({plugin.distribution} {plugin.version})"
-        backends.append(GuardedBackend(_build(component, chosen, context), label))
+        plugin = chosen.component.plugin
+        label = f"metrics backend '{chosen.name}' ({plugin.distribution} {plugin.version})"
+        backends.append(GuardedBackend(chosen.build(context), label))
     return backends
