@@ -2,7 +2,8 @@
 
 The state is the default run's after a few training steps (the default model, AdamW's moments,
 the scheduler, the data position, RNG states and plugin states), saved by the training loop's
-own ``_checkpoint`` through ``CheckpointManager`` into a temporary run directory: once with
+own ``forge_lm.train.run_state.save_run`` through ``CheckpointManager`` into a temporary run
+directory: once with
 ``checkpoint.async_save = false`` (the baseline: the loop waits for every file) and once with
 ``true`` (the loop waits only for a copy of the tensors; a background thread writes them).
 After each async save the loop's next training step runs while the write goes on, then the
@@ -28,7 +29,7 @@ from bench_train import ForgeSide
 
 from forge_lm.checkpoint import CheckpointManager
 from forge_lm.plugins import PluginSettings
-from forge_lm.train import loop
+from forge_lm.train.run_state import save_run
 
 
 def directory_bytes(path: Path) -> int:
@@ -66,7 +67,7 @@ def main() -> None:
         def checkpoint(kind: str) -> None:
             saves[kind] += 1
             context.step = saves[kind]  # a new step_<N> each time (a save of the newest one is skipped)
-            loop._checkpoint(managers[kind], context, loader, manager)
+            save_run(managers[kind], context, loader, manager)
 
         def sync_save() -> float:
             begin = time.perf_counter()
@@ -147,7 +148,7 @@ def main() -> None:
     notes = (
         f"The default model ({parameters / 1e6:.2f} M parameters) with AdamW state: {size / 1e6:.1f} MB per "
         f"checkpoint (DCP files plus trainer_state.json), written under {args.dir or tempfile.gettempdir()} by "
-        "`forge_lm.train.loop._checkpoint` as the loop calls it. Medians of "
+        "`forge_lm.train.run_state.save_run` as the loop calls it. Medians of "
         f"{args.rounds} alternating rounds after {args.warmup} warm-up round(s). `x_sync_save`: over the sync "
         "save's blocking time (the baseline); `x_training_step`: over one training step with no write in flight. "
         "The net cost is per round: the async save's blocking time plus the step during its write minus the "
