@@ -125,9 +125,9 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``grad.T @ x``, [N, K]. oneDNN is faster than MKL for this product too on AMD EPYC
-    (benchmarks/bench_train.py's kernel table), by less than for the other two: its
-    reduction runs over every token of the batch."""
+    """``grad.T @ x``, [N, K]. For this product oneDNN and MKL run about equally fast on AMD EPYC
+    (benchmarks/bench_train.py's product table: 0.99x to 1.2x MKL's rate over runs here), far
+    from the 2x of the other two: its reduction runs over every token of the batch."""
     return _onednn_mm(grad.t(), x.t())
 
 
