@@ -18,7 +18,6 @@ JSON and as a Markdown table, and, for a real GPU run, into ``results/`` with ``
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
 import json
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _record import RESULTS, _table, machine, median, write_results_md
+from _record import RESULTS, _table, median, write_results_md
 
 
 @dataclasses.dataclass
@@ -162,31 +161,6 @@ def refuse_without_cuda(script: str, needs: str) -> int | None:
 # --------------------------------------------------------------------------------------
 # Bringing the numbers home
 # --------------------------------------------------------------------------------------
-
-
-def make_record(
-    name: str,
-    command: str,
-    rows: list[dict[str, Any]],
-    notes: str,
-    *,
-    tables: dict[str, list[dict[str, Any]]] | None = None,
-    headline: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """A record of the shape ``_record.save`` writes to ``results/<name>.json``."""
-    record: dict[str, Any] = {
-        "benchmark": name,
-        "command": command,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "notes": notes,
-        "rows": rows,
-    }
-    if tables:
-        record["tables"] = tables
-    if headline:
-        record["headline"] = headline
-    return record
 
 
 def markdown(record: dict[str, Any]) -> str:

@@ -94,7 +94,7 @@ def timed(function: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def save(
+def make_record(
     name: str,
     command: str,
     rows: list[dict[str, Any]],
@@ -102,14 +102,13 @@ def save(
     *,
     tables: dict[str, list[dict[str, Any]]] | None = None,
     headline: list[dict[str, Any]] | None = None,
-) -> Path:
-    """Write ``results/<name>.json`` and regenerate ``RESULTS.md``.
+) -> dict[str, Any]:
+    """The record ``save`` writes to ``results/<name>.json``: the rows with when, where and how.
 
     ``tables``: further tables, titled by their keys, shown after ``rows``. ``headline``: the
     benchmark's key ratios for RESULTS.md's first table, each ``{"measure": str, "value":
     float, "meaning": str}``.
     """
-    RESULTS.mkdir(exist_ok=True)
     record: dict[str, Any] = {
         "benchmark": name,
         "command": command,
@@ -122,6 +121,21 @@ def save(
         record["tables"] = tables
     if headline:
         record["headline"] = headline
+    return record
+
+
+def save(
+    name: str,
+    command: str,
+    rows: list[dict[str, Any]],
+    notes: str = "",
+    *,
+    tables: dict[str, list[dict[str, Any]]] | None = None,
+    headline: list[dict[str, Any]] | None = None,
+) -> Path:
+    """Write ``results/<name>.json`` (:func:`make_record`) and regenerate ``RESULTS.md``."""
+    RESULTS.mkdir(exist_ok=True)
+    record = make_record(name, command, rows, notes, tables=tables, headline=headline)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     write_results_md()

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _gpu_common import SideResult, make_record, measure_in_turn, publish, refuse_without_cuda
+from _gpu_common import SideResult, measure_in_turn, publish, refuse_without_cuda
+from _record import make_record
 from bench_gpu import DENSE
 from bench_train import ForgeSide
 

@@ -58,7 +58,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _gpu_common import SideResult, make_record, matmul_peak, measure_in_turn, publish, refuse_without_cuda
+from _gpu_common import SideResult, matmul_peak, measure_in_turn, publish, refuse_without_cuda
+from _record import make_record
 from bench_train import ForgeSide
 from torch import nn
 

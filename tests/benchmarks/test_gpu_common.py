@@ -158,7 +158,7 @@ def test_on_cuda_each_side_reports_its_own_peak_memory(bench, monkeypatch):
 def test_publish_writes_the_record_and_its_table_to_the_output_directory(bench, tmp_path):
     common = bench("_gpu_common")
     rows = [{"side": "forge", "tokens_per_s": 1234.5, "peak_memory_gib": None}]
-    record = common.make_record("gpu", "python benchmarks/bench_gpu.py", rows, "Some notes.")
+    record = bench("_record").make_record("gpu", "python benchmarks/bench_gpu.py", rows, "Some notes.")
 
     written = common.publish(record, tmp_path / "out", save_results=False)
 

@@ -6,7 +6,6 @@ import collections
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from forge_lm.config import load_config
 from forge_lm.distributed import ParallelDims, TransformContext, apply_model_transforms
@@ -14,6 +13,7 @@ from forge_lm.distributed.activation_checkpointing import saved_ops
 from forge_lm.model import build_model
 from forge_lm.model.linear import kernel as linear_kernel
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing.counters import OpCounter
 
 
 def _model_and_context(manager, mode: str):
@@ -74,25 +74,11 @@ def test_full_recomputes_each_block_in_backward(manager) -> None:
     assert len(calls) == 6
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts every operator overload that reaches the dispatcher while it is active. Under
-    selective checkpointing an operation whose output was kept is answered from the cache
-    above this mode, so only recomputed operations are counted."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[object] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _forward_and_backward_ops(model, ids) -> tuple[collections.Counter, collections.Counter, dict]:
     model.zero_grad(set_to_none=True)
-    with _OpCounter() as forward:
+    with OpCounter() as forward:
         loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
-    with _OpCounter() as backward:
+    with OpCounter() as backward:
         loss.backward()
     return forward.counts, backward.counts, {name: p.grad.clone() for name, p in model.named_parameters()}
 

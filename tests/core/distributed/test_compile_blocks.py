@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
 from forge_lm.config import load_config
@@ -19,17 +18,7 @@ from forge_lm.distributed.compile import compile_block
 from forge_lm.model import build_model
 from forge_lm.model.linear import kernel as linear_kernel
 from forge_lm.plugins import PluginManager, PluginSettings
-
-
-class CountingBackend:
-    """``aot_eager``, counting the graphs it is handed (one per compiled frame and per break)."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, graph, example_inputs):
-        self.graphs += 1
-        return lookup_backend("aot_eager")(graph, example_inputs)
+from forge_lm.testing.counters import CountingBackend
 
 
 def _model(seed: int = 0):

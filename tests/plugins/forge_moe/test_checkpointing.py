@@ -6,13 +6,11 @@ With expert parallelism (2 gloo ranks), selective checkpointing exchanges no tok
 
 from __future__ import annotations
 
-import collections
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from forge_lm.config import load_config
 from forge_lm.distributed import ParallelDims, TransformContext
@@ -21,6 +19,7 @@ from forge_lm.errors import ConfigError
 from forge_lm.losses.aux import collect_aux
 from forge_lm.model import build_model
 from forge_lm.model.linear import kernel as linear_kernel
+from forge_lm.testing.counters import OpCounter
 from forge_lm.testing.distributed import torchrun
 from forge_moe.expert_parallel import expert_parallel_transform
 from forge_moe.experts import grouped_mm_works
@@ -37,19 +36,6 @@ FFN = {
 }
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts every operator overload reaching the dispatcher while active. An output selective
-    checkpointing kept is served from its cache, above this mode: only reruns are counted."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[object] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _run(manager, mode: str):
     torch.manual_seed(0)
     model = build_model(model_section(manager, FFN, n_layers=2), VOCAB, manager.registry).train()
@@ -60,9 +46,9 @@ def _run(manager, mode: str):
     # The kernel probe runs on the first forward, inside the checkpointed region: it must not
     # hand its own products to selective checkpointing's cache.
     grouped_mm_works.cache_clear()
-    with collect_aux() as aux, _OpCounter() as forward:
+    with collect_aux() as aux, OpCounter() as forward:
         loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
-    with collect_aux(), _OpCounter() as backward:  # a collector, as in the loop: a replay would report here
+    with collect_aux(), OpCounter() as backward:  # a collector, as in the loop: a replay would report here
         loss.backward()
     layers = [block.feed_forward for block in model.layers]
     return {

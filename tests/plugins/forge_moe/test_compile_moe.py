@@ -11,25 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
 from forge_lm.distributed.compile import compile_block
 from forge_lm.losses.aux import collect_aux
 from forge_lm.model import build_model
+from forge_lm.testing.counters import CountingBackend
 
 from .conftest import VOCAB, model_section
-
-
-class CountingBackend:
-    """``aot_eager``, counting the graphs it is handed (one per compiled frame and recompile)."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, graph, example_inputs):
-        self.graphs += 1
-        return lookup_backend("aot_eager")(graph, example_inputs)
 
 
 def _model(manager, ffn, dtype):
