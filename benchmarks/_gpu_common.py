@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _record import RESULTS, _table, median, write_results_md
+from _record import RESULTS, median, record_markdown, write_results_md
 
 
 @dataclasses.dataclass
@@ -165,20 +165,7 @@ def refuse_without_cuda(script: str, needs: str) -> int | None:
 
 def markdown(record: dict[str, Any]) -> str:
     """The record as a short Markdown page: what ran, where, the notes and every table."""
-    m = record["machine"]
-    where = m.get("gpu") or m.get("cpu_model") or m["processor"]
-    lines = [
-        f"# {record['benchmark']}",
-        "",
-        f"`{record['command']}`, {record['date']}, on {where}, torch {m['torch']}, Python {m['python']}.",
-        "",
-    ]
-    if record["notes"]:
-        lines += [record["notes"], ""]
-    lines += _table(record["rows"])
-    for title, rows in (record.get("tables") or {}).items():
-        lines += [f"**{title}**", "", *_table(rows)]
-    return "\n".join(lines)
+    return "\n".join(record_markdown(record, heading="#"))
 
 
 def publish(record: dict[str, Any], output: Path | None, *, save_results: bool) -> list[Path]:

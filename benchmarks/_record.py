@@ -191,28 +191,35 @@ def write_results_md() -> None:
             )
         lines.append("")
     for record in records:
-        m = record["machine"]
-        cpu = m.get("cpu_model") or m["processor"]
-        extra = ""
-        if m.get("torch_threads"):
-            extra += f", {m['torch_threads']} torch thread" + ("s" if m["torch_threads"] != 1 else "")
-        if m.get("gpu"):
-            extra += f", GPU {m['gpu']}"
-        if m.get("load_average"):
-            extra += f", load average {' / '.join(str(v) for v in m['load_average'])} (1/5/15 min) at the end"
-        lines += [
-            f"## {record['benchmark']}",
-            "",
-            f"`{record['command']}`, {record['date']}, on {m['cpus']} CPUs ({cpu}){extra}, "
-            f"Python {m['python']}, torch {m['torch']}, {m['platform']}.",
-            "",
-        ]
-        if record["notes"]:
-            lines += [record["notes"], ""]
-        lines += _table(record["rows"])
-        for title, rows in (record.get("tables") or {}).items():
-            lines += [f"**{title}**", "", *_table(rows)]
+        lines += record_markdown(record)
     (HERE / "RESULTS.md").write_text("\n".join(lines))
+
+
+def record_markdown(record: dict[str, Any], heading: str = "##") -> list[str]:
+    """One benchmark's section: a heading, what ran where (machine, threads, load), its notes
+    and every table."""
+    m = record["machine"]
+    cpu = m.get("cpu_model") or m["processor"]
+    extra = ""
+    if m.get("torch_threads"):
+        extra += f", {m['torch_threads']} torch thread" + ("s" if m["torch_threads"] != 1 else "")
+    if m.get("gpu"):
+        extra += f", GPU {m['gpu']}"
+    if m.get("load_average"):
+        extra += f", load average {' / '.join(str(v) for v in m['load_average'])} (1/5/15 min) at the end"
+    lines = [
+        f"{heading} {record['benchmark']}",
+        "",
+        f"`{record['command']}`, {record['date']}, on {m['cpus']} CPUs ({cpu}){extra}, "
+        f"Python {m['python']}, torch {m['torch']}, {m['platform']}.",
+        "",
+    ]
+    if record["notes"]:
+        lines += [record["notes"], ""]
+    lines += _table(record["rows"])
+    for title, rows in (record.get("tables") or {}).items():
+        lines += [f"**{title}**", "", *_table(rows)]
+    return lines
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:
