@@ -125,9 +125,10 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``grad.T @ x``, [N, K]. For this product oneDNN and MKL run about equally fast on AMD EPYC
-    (benchmarks/bench_train.py's product table: 0.99x to 1.2x MKL's rate over runs here), far
-    from the 2x of the other two: its reduction runs over every token of the batch."""
+    """``grad.T @ x``, [N, K]. For this product oneDNN gains less over MKL than for the other two
+    on AMD EPYC (benchmarks/bench_train.py's product table: about 1.0x at the default model's
+    width, 1.4x to 1.5x on wider layers, against about 2x): its reduction runs over every token
+    of the batch."""
     return _onednn_mm(grad.t(), x.t())
 
 
