@@ -191,6 +191,47 @@ class Initializer(Protocol):
         """The fully-qualified name of ``tensor`` in the model (``layers.3.feed_forward.w1``)."""
 
 
+# -- capabilities a module may have ---------------------------------------------------------
+# The core asks a model's modules for these with isinstance (runtime-checkable: only the
+# presence of the member is checked); a module without one gets the core's default behaviour.
+
+
+@runtime_checkable
+class InitializesWeights(Protocol):
+    """A module with its own initialisation rule (see :class:`Initializer`); without one it gets
+    the default rule."""
+
+    def init_weights(self, init: Initializer) -> None:
+        """Set every parameter and buffer of this module through ``init``."""
+
+
+@runtime_checkable
+class CountsActiveParameters(Protocol):
+    """A module whose tokens use only some of its parameters (a mixture of experts): MFU and
+    the memory estimate count ``active_parameter_count()`` for it instead of all of them, and
+    do not look inside it."""
+
+    def active_parameter_count(self) -> int:
+        """How many of this module's parameters one token uses."""
+
+
+@runtime_checkable
+class TensorParallelizable(Protocol):
+    """A feed-forward layer that ``[distributed] tp > 1`` can split: one without it is refused."""
+
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        """``{submodule name: torch ParallelStyle}``, as ``parallelize_module`` takes it."""
+
+
+@runtime_checkable
+class OwnFSDPUnit(Protocol):
+    """A submodule sharded by FSDP2 as a unit of its own, over the named mesh dimensions (expert
+    weights over the data-parallel ranks that do not split the experts); others are sharded
+    with their transformer block."""
+
+    fsdp_mesh_dims: tuple[str, ...]
+
+
 PARAMETER_ROLES = ("embedding", "output", "norm", "bias", "matrix")
 """The roles :func:`parameter_roles` gives, in the order it decides them."""
 

@@ -169,20 +169,28 @@ def forge_lm_register_feed_forwards(register: Any) -> None:
     Factory: ``factory(options, dim, layer_index) -> torch.nn.Module`` mapping
     ``[batch, seq, dim]`` to the same shape. ``[model.ffn]`` chooses the component; its
     factory sees the layer index, so it can build a different layer per index (MoE every
-    n-th layer). The module may define:
+    n-th layer). The module may have these capabilities, each a runtime-checkable protocol in
+    :mod:`forge_lm.components` that the core tests with ``isinstance`` (and the conformance
+    kit checks where a layer claims one):
 
-    - ``init_weights(init)``: called by the model instead of its default rule (every
-      ``nn.Linear`` and ``nn.Embedding`` weight drawn from ``normal(0, init.std)``, biases 0,
-      norm scales 1). ``init`` is a :class:`forge_lm.components.Initializer`: the module sets
-      each of its parameters and buffers through it (``init.normal(self.w2.weight,
+    - ``init_weights(init)`` (:class:`~forge_lm.components.InitializesWeights`): called by the
+      model instead of its default rule (every ``nn.Linear`` and ``nn.Embedding`` weight drawn
+      from ``normal(0, init.std)``, biases 0, norm scales 1). ``init`` is a
+      :class:`forge_lm.components.Initializer`: the module sets each of its parameters and
+      buffers through it (``init.normal(self.w2.weight,
       init.residual_std)`` for the projection that writes into the residual stream), never
       with ``torch.nn.init`` or torch's global generator. Under ``torchrun`` the layer is built
       on the meta device and may be sharded before it is initialised; ``init`` writes each
       rank's part of the values one process would get. The earlier form
       ``init_weights(std, residual_std)`` is refused with a message.
-    - ``active_parameter_count() -> int``: the parameters one token uses (MFU counts these
-      instead of walking the module's children), for layers that use only part of their
-      weights per token.
+    - ``active_parameter_count() -> int`` (:class:`~forge_lm.components.CountsActiveParameters`):
+      the parameters one token uses (MFU counts these instead of walking the module's
+      children), for layers that use only part of their weights per token.
+    - ``tensor_parallel_plan() -> {submodule name: ParallelStyle}``
+      (:class:`~forge_lm.components.TensorParallelizable`): how ``[distributed] tp > 1`` splits
+      the layer; a layer without it is refused under tensor parallelism.
+    - ``fsdp_mesh_dims`` (:class:`~forge_lm.components.OwnFSDPUnit`), on a submodule: shard it as
+      an FSDP2 unit of its own over these mesh dimensions (forge-moe's experts).
 
     Auxiliary losses go through :func:`forge_lm.losses.aux.report_aux_loss`.
     """

@@ -51,6 +51,11 @@ def _with_plugin(manager, category: str, name: str, factory, config=None):
             if category == "tokenizers":
                 register(name, factory, config=config, description="broken on purpose")
 
+        @hookimpl
+        def forge_lm_register_feed_forwards(self, register):
+            if category == "feed_forwards":
+                register(name, factory, config=config, description="broken on purpose")
+
     info = manager.add_plugin(Broken(), "broken", distribution="forge-broken", version="9.9")
     assert info.status == "ok", info.reason
     return manager
@@ -276,3 +281,46 @@ def test_scheduler_with_a_different_warmup_curve_fails(manager):
     _with_plugin(manager, "schedulers", "squared", squared, config=WarmupOptions)
     message = _failure(manager, "schedulers", "squared", "follows_the_documented_warmup")
     assert "first difference at step 0: 0.0625 instead of 0.25" in message
+
+
+class _Doubling(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_feed_forward_with_a_plan_naming_no_submodule_fails_the_capability_check(manager):
+    class Planned(_Doubling):
+        def tensor_parallel_plan(self):
+            return {"w1": None}  # the layer has "proj", not "w1"
+
+    _with_plugin(manager, "feed_forwards", "planned", lambda options, dim, index: Planned(dim))
+    message = _failure(manager, "feed_forwards", "planned", "the_capabilities_it_claims_are_well_formed")
+    assert "tensor_parallel_plan() names ['w1'], which are not submodules of the layer" in message
+
+
+def test_feed_forward_claiming_no_active_parameters_fails_the_capability_check(manager):
+    class Idle(_Doubling):
+        def active_parameter_count(self):
+            return 0
+
+    _with_plugin(manager, "feed_forwards", "idle", lambda options, dim, index: Idle(dim))
+    message = _failure(manager, "feed_forwards", "idle", "the_capabilities_it_claims_are_well_formed")
+    assert "active_parameter_count() returned 0; the kit expects an int between 1 and" in message
+
+
+def test_capabilities_are_recognised_by_protocol_not_by_name():
+    # The core asks with isinstance on forge_lm.components' runtime-checkable protocols.
+    from forge_lm.components import CountsActiveParameters, InitializesWeights, OwnFSDPUnit, TensorParallelizable
+    from forge_lm.model.swiglu import SwiGLU
+
+    swiglu = SwiGLU(8, 16)
+    assert isinstance(swiglu, TensorParallelizable)
+    assert isinstance(swiglu, InitializesWeights)
+    assert not isinstance(swiglu, CountsActiveParameters)
+    assert not isinstance(swiglu, OwnFSDPUnit)
+    swiglu.fsdp_mesh_dims = ("dp_shard",)
+    assert isinstance(swiglu, OwnFSDPUnit)

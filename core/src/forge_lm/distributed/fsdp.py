@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from forge_lm.components import OwnFSDPUnit
 from forge_lm.distributed.transforms import ModelTransform, TransformContext, transformer_blocks
 
 
@@ -45,9 +46,8 @@ def _apply(model: nn.Module, context: TransformContext) -> None:
     # Under pipeline parallelism every microbatch would gather the weights again: keep them.
     reshard = dims.pp == 1
     for module in model.modules():
-        unit_dims = getattr(module, "fsdp_mesh_dims", None)
-        if unit_dims:
-            unit_mesh = context.submesh(*unit_dims)
+        if isinstance(module, OwnFSDPUnit) and module.fsdp_mesh_dims:
+            unit_mesh = context.submesh(*module.fsdp_mesh_dims)
             fully_shard(module, mesh=unit_mesh, reshard_after_forward=reshard, **common)
             module.set_gradient_divide_factor(float(dims.shard_size))
             if dist.get_backend(unit_mesh.get_group(unit_mesh.ndim - 1)) == "gloo" and unit_mesh.size(-1) > 1:

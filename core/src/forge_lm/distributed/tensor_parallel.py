@@ -77,6 +77,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from forge_lm.components import TensorParallelizable
 from forge_lm.distributed.transforms import ModelTransform, TransformContext, transformer_blocks
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.losses.vocab_parallel import VocabParallelLoss
@@ -165,13 +166,12 @@ def _feed_forward_plans(blocks: list[nn.Module], context: TransformContext) -> l
     for block in blocks:
         ffn = block.feed_forward
         layer = f"the feed-forward layer {type(ffn).__name__} ([model.ffn] '{ffn_name}')"
-        plan_of = getattr(ffn, "tensor_parallel_plan", None)
-        if not callable(plan_of):
+        if not isinstance(ffn, TensorParallelizable):
             raise ConfigError(
                 f"[distributed] tp = {tp}: {layer} does not support tensor parallelism (it defines no "
                 "tensor_parallel_plan()); set [distributed] tp = 1 or use a feed-forward that supports it."
             )
-        plan = plan_of()
+        plan = ffn.tensor_parallel_plan()
         for name, style in plan.items():
             size, what = _split_size(ffn.get_submodule(name), style)
             if size % tp:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from forge_lm.components import CountsActiveParameters
 from forge_lm.config import ModelSection
 
 
@@ -20,7 +21,7 @@ def active_parameter_count(model: nn.Module) -> int:
 
     def walk(module: nn.Module) -> None:
         nonlocal reported
-        if module is not model and callable(getattr(module, "active_parameter_count", None)):
+        if module is not model and isinstance(module, CountsActiveParameters):
             reported += int(module.active_parameter_count())
             return
         if not isinstance(module, nn.Embedding):

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from forge_lm.components import InitializesWeights
 from forge_lm.errors import ForgeError, PluginError
 
 CHUNK_ELEMENTS = 1 << 20
@@ -187,10 +188,9 @@ class Initializer:
         """Initialise ``module`` by its own rule, ``module.init_weights(init)``, or, if it has
         none, by the default one: linear and embedding weights ``normal(0, std)``, biases 0,
         norm scales 1, recursively (a submodule with ``init_weights`` applies its own)."""
-        init_weights = getattr(module, "init_weights", None)
-        if callable(init_weights):
-            _check_signature(module, init_weights)
-            init_weights(self)
+        if isinstance(module, InitializesWeights) and callable(module.init_weights):
+            _check_signature(module, module.init_weights)
+            module.init_weights(self)
             return
         for name, tensor in module.named_parameters(recurse=False):
             if name == "bias":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from forge_lm.components import CountsActiveParameters, TensorParallelizable
 from forge_lm.testing._kit import Subject, category_check
 
 DIM = 32
@@ -35,3 +36,29 @@ def check_maps_hidden_states_to_the_same_shape_with_gradients(subject: Subject) 
         f"{subject.label}: {len(frozen)} trainable parameters receive no gradient: {frozen}; the kit expects "
         "every trainable parameter to get one"
     )
+
+
+@category_check("feed_forwards")
+def check_the_capabilities_it_claims_are_well_formed(subject: Subject) -> None:
+    """A layer claiming a capability of forge_lm.components keeps its promise: an active
+    parameter count between 1 and its parameters, a tensor-parallel plan naming submodules."""
+    layer = subject.build(DIM, 0)
+    total = sum(p.numel() for p in layer.parameters())
+    if isinstance(layer, CountsActiveParameters):
+        active = layer.active_parameter_count()
+        assert isinstance(active, int) and 0 < active <= total, (
+            f"{subject.label}: active_parameter_count() returned {active!r}; the kit expects an int between 1 and "
+            f"the layer's {total} parameters"
+        )
+    if isinstance(layer, TensorParallelizable):
+        plan = layer.tensor_parallel_plan()
+        assert isinstance(plan, dict) and plan, (
+            f"{subject.label}: tensor_parallel_plan() returned {plan!r}; the kit expects a non-empty "
+            "{submodule name: ParallelStyle} dict"
+        )
+        names = {name for name, _ in layer.named_modules()}
+        missing = sorted(name for name in plan if name not in names)
+        assert not missing, (
+            f"{subject.label}: tensor_parallel_plan() names {missing}, which are not submodules of the layer "
+            f"(it has {sorted(n for n in names if n)}); the kit expects names as named_modules() gives them"
+        )
