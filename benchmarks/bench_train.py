@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import io
 import json
 import math
@@ -46,6 +47,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 import torch.nn.functional as F
 from _record import alternate, median, save
@@ -55,6 +57,7 @@ from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed.reduce import agree_on_step
 from forge_lm.metrics.mfu import CPUINFO_PATH, cpu_peak_flops, mfu, parse_cpuinfo, theoretical_cpu_peak
 from forge_lm.model import build_model
+from forge_lm.model.attention import EAGER_MAX_KEYS, eager_attention, uses_eager
 from forge_lm.model.linear import kernel as linear_kernel
 from forge_lm.model.linear import onednn_available
 from forge_lm.model.swiglu import swiglu_hidden
@@ -65,6 +68,10 @@ from forge_lm.train.builders import build_dataset
 # The larger models: label -> (dim, heads, divisor of --steps for their blocks), about 4x and
 # 16x the default model's parameters.
 GROWN = {"4x": (512, 8, 3), "16x": (1024, 16, 6)}
+
+# Forge on the kernels the plain loop takes (nn.Linear's F.linear, SDPA's attention): the
+# difference left between the two is the framework's own overhead.
+PLAIN_KERNELS = ["--train.cpu_linear_kernel=aten", "--model.attention_backend=sdpa"]
 
 # --------------------------------------------------------------------------------------
 # The machine's matmul peak
@@ -135,6 +142,61 @@ def linear_products(tokens: int, dim_in: int, dim_out: int, repeats: int = 5) ->
         row["x_mkl"] = row["onednn_gflop_per_s"] / row["mkl_gflop_per_s"] if onednn else None
         rows.append(row)
     return rows
+
+
+def attention_kernels(
+    tokens: int, heads: int, head_dim: int, dtypes: tuple[str, ...], repeats: int = 5
+) -> list[dict[str, Any]]:
+    """Forward + backward of one attention layer's core (after the projections) at several
+    sequence lengths, ``tokens`` per batch, packed documents: SDPA with its dense boolean mask
+    (its CPU flash kernel) against :func:`~forge_lm.model.attention.eager_attention` with the
+    additive mask, in each dtype; best of ``repeats``. The measurements behind ``"auto"``'s
+    choice on CPU (:data:`~forge_lm.model.attention.EAGER_MAX_KEYS`)."""
+    rows = []
+    for length in (64, 128, 192, 256, 384):
+        batch = max(1, tokens // length)
+        documents = torch.arange(length).expand(batch, length) * 3 // length  # three documents per row
+        allowed = (documents[:, :, None] == documents[:, None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
+        allowed = allowed[:, None]
+        bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        for dtype_name in dtypes:
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+            generator = torch.Generator().manual_seed(0)
+            q, k, v = (
+                torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype).requires_grad_()
+                for _ in range(3)
+            )
+            grad = torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype)
+            kernels = {
+                "sdpa": functools.partial(F.scaled_dot_product_attention, attn_mask=allowed),
+                "eager": functools.partial(eager_attention, bias=bias),
+            }
+            best = {name: _best_backward(kernel, (q, k, v), grad, repeats) for name, kernel in kernels.items()}
+            rows.append(
+                {
+                    "keys": length,
+                    "batch": batch,
+                    "dtype": dtype_name,
+                    "sdpa_ms": best["sdpa"] * 1e3,
+                    "eager_ms": best["eager"] * 1e3,
+                    "x_sdpa": best["sdpa"] / best["eager"],
+                    "auto_picks": "eager" if uses_eager("auto", torch.device("cpu"), length, dtype) else "sdpa",
+                }
+            )
+    return rows
+
+
+def _best_backward(
+    function: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, repeats: int
+) -> float:
+    """The best time of ``function(*inputs).backward(grad)`` over ``repeats`` runs after one."""
+    function(*inputs).backward(grad)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function(*inputs).backward(grad)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def cpu_features() -> dict[str, Any]:
@@ -249,7 +311,8 @@ class ForgeSide:
 
 class PlainSide:
     """A hand-written loop over a copy of Forge's model and the same batches as plain tensors.
-    Its linear layers run as ``nn.Linear`` does (``F.linear``): the kernel switch is "aten"."""
+    Its linear layers run as ``nn.Linear`` does (``F.linear``): the kernel switch is "aten"; its
+    attention is ``F.scaled_dot_product_attention`` (``attention_backend = "sdpa"``)."""
 
     def __init__(
         self,
@@ -261,6 +324,9 @@ class PlainSide:
     ) -> None:
         options = forge.config.optimizer.options
         self.model = copy.deepcopy(forge.initial_model)
+        # A hand-written model calls F.scaled_dot_product_attention: the copy takes SDPA whatever
+        # Forge's "auto" picks (on CPU, eager attention for short sequences).
+        self.model.config = attrs.evolve(self.model.config, attention_backend="sdpa")
         named = list(self.model.named_parameters())  # a tied head is listed once, as the embedding
         decay = [p for n, p in named if p.ndim >= 2 and not n.startswith("tok_embeddings.")]
         no_decay = [p for n, p in named if not (p.ndim >= 2 and not n.startswith("tok_embeddings."))]
@@ -390,6 +456,13 @@ def main() -> None:
     best["fp32"] = max(best["fp32"], max(rates) * 1e9)
     for row in peaks:
         print(f"  {row['kernel']:24s} {row['size']:5d}  {row['gflop_per_s']:8.2f} GFLOP/s")
+    default = load_config(None, [], PluginManager(settings).registry)
+    attention_tokens = default.train.batch_size * default.train.seq_len
+    print("timing attention: SDPA against eager, by sequence length ...", flush=True)
+    attention_rows = attention_kernels(
+        attention_tokens, default.model.n_heads, default.model.dim // default.model.n_heads,
+        ("fp32", "bf16") if best["bf16"] >= best["fp32"] / 2 else ("fp32",), repeats=2 if args.quick else 5,
+    )  # fmt: skip
     theoretical = {
         name: theoretical_cpu_peak(dtype) for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     }
@@ -434,8 +507,8 @@ def main() -> None:
         f"torch.optim.AdamW ({default_adamw}), F.cross_entropy, clip_grad_norm_", mkl, fp32.step_flops,
     )  # fmt: skip
     add(
-        "forge fp32 aten kernel", forge("fp32-aten", ["--train.precision=fp32", "--train.cpu_linear_kernel=aten"]),
-        args.steps, "forge", "fp32", "plain fp32", "--train.cpu_linear_kernel=aten: Forge's overhead alone", mkl,
+        "forge fp32 plain kernels", forge("fp32-plain-kernels", ["--train.precision=fp32", *PLAIN_KERNELS]),
+        args.steps, "forge", "fp32", "plain fp32", f"{' '.join(PLAIN_KERNELS)}: Forge's overhead alone", mkl,
     )  # fmt: skip
     if not args.no_e2e:
         add(
@@ -577,6 +650,10 @@ def main() -> None:
         + "; ".join(f"{name}: {peak / 1e9:.1f} GFLOP/s" if peak else f"{name}: none, {why}"
                     for name, (peak, why) in theoretical.items())
         + f"). Forge's own MFU metric uses its cached fp32 peak ({cached / 1e9:.1f} GFLOP/s).",
+        "Attention: Forge's rows take what `[model] attention_backend = \"auto\"` picks on this device "
+        f"(on CPU eager attention up to {EAGER_MAX_KEYS[torch.float32]} keys, {EAGER_MAX_KEYS[torch.bfloat16]} in "
+        "bf16, as at this model's sequence length; the attention table), the plain loop's "
+        "`F.scaled_dot_product_attention`, as a hand-written model calls it.",
         "Same work: first step from the same weights and batch, " + ("; ".join(same) or "not checked") + " "
         "(Forge's oneDNN products and the plain loop's MKL ones differ in the last bits).",
     ]  # fmt: skip
@@ -599,8 +676,9 @@ def main() -> None:
             "meaning": "above 1: Forge is faster than a hand-written loop (oneDNN linear layers)",
         },
         {
-            "measure": "Forge with cpu_linear_kernel=aten / plain loop (fp32): the framework's own overhead",
-            "value": medians["forge fp32 aten kernel"] / medians["plain fp32"],
+            "measure": "Forge on the plain loop's kernels (aten linear, SDPA) / plain loop (fp32): the framework's"
+            " own overhead",
+            "value": medians["forge fp32 plain kernels"] / medians["plain fp32"],
             "meaning": "1.0 = Forge's loop costs nothing over a hand-written one on the same kernels",
         },
     ]
@@ -650,6 +728,9 @@ def main() -> None:
         tables = {
             "matmul peak (best of 7 per kernel and size)": peaks,
             "each model's first feed-forward projection, fp32: MKL (F.linear) vs oneDNN (Forge), best of 5": products,
+            f"attention forward + backward, {attention_tokens} tokens per batch, the default model's heads, three "
+            "documents per row: SDPA (dense mask) vs eager (additive mask), best of 5; x_sdpa = SDPA's time over "
+            "eager's": attention_rows,
         }
         path = save("train", command.strip(), rows, notes, tables=tables, headline=headline)
         print(f"wrote {path}")

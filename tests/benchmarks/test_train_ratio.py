@@ -4,8 +4,9 @@ PyTorch loop on the same model, batch and precision.
 A comparison inside one process, as ``benchmarks/bench_train.py`` makes it (its own sides,
 alternating blocks of steps, medians), never an absolute time: on a busy machine both sides
 slow down alike. Two ratios are checked: Forge as it runs by default (its fp32 linear layers on
-oneDNN where torch has it), and Forge on the plain loop's own kernels
-(``cpu_linear_kernel = "aten"``), which isolates the framework's overhead.
+oneDNN where torch has it, eager attention on short sequences), and Forge on the plain loop's
+own kernels (``cpu_linear_kernel = "aten"``, ``attention_backend = "sdpa"``), which isolates
+the framework's overhead.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _measure(tmp_path_factory) -> dict[str, float]:
     settings = PluginSettings(autoload=False)
     base = ["--train.device=cpu", "--train.precision=fp32"]
     forge = bench_train.ForgeSide(base, workdir / "default", settings, "default")
-    aten = bench_train.ForgeSide([*base, "--train.cpu_linear_kernel=aten"], workdir / "aten", settings, "default")
+    aten = bench_train.ForgeSide([*base, *bench_train.PLAIN_KERNELS], workdir / "aten", settings, "default")
     plain = bench_train.PlainSide(forge, forge.fresh_batches(8))
     with bench_train.quiet():
         samples = record.alternate(

@@ -1,5 +1,5 @@
-"""Packed documents through FlexAttention's block mask against SDPA's dense mask, and which one
-each device gets (``[model] attention_backend``)."""
+"""Packed documents through FlexAttention's block mask and eager attention against SDPA's dense
+mask, and which one each device gets (``[model] attention_backend``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ from torch.nn.attention.flex_attention import BlockMask
 from forge_lm.config import load_config
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.model import attention
-from forge_lm.model.attention import Attention, attention_mask, document_block_mask, uses_flex
+from forge_lm.model.attention import (
+    EAGER_MAX_KEYS,
+    Attention,
+    attention_mask,
+    document_block_mask,
+    uses_eager,
+    uses_flex,
+)
+from forge_lm.model.kv_cache import KVCache
 
 from .conftest import VOCAB
 from .test_transformer import reference_logits
@@ -200,7 +208,9 @@ def test_training_through_flex_on_cpu_is_refused_with_the_fix(make_model):
 def test_an_unknown_backend_is_refused_naming_the_choices(manager):
     with pytest.raises(ConfigError) as info:
         load_config(None, ["--model.attention_backend=flash"], manager.registry)
-    assert str(info.value) == "[model] attention_backend: must be one of 'auto', 'sdpa', 'flex', got 'flash'."
+    assert str(info.value) == (
+        "[model] attention_backend: must be one of 'auto', 'sdpa', 'flex', 'eager', got 'flash'."
+    )
 
 
 @pytest.fixture
@@ -228,3 +238,114 @@ def test_a_compiled_block_takes_each_forwards_new_block_mask_without_recompiling
             assert_within_ulps(model(ids, documents), expected(ids, documents), 8)
     assert counter.frame_count == 1
     assert not counters["graph_break"]
+
+
+# -- eager attention --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fields", ARCHITECTURES.values(), ids=ARCHITECTURES.keys())
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-documents", "causal"])
+def test_eager_logits_and_gradients_equal_sdpa(make_model, fields, packed):
+    """Eager attention against SDPA's kernels, forward and backward, with packed documents and
+    plain causal attention (where SDPA takes its fused causal kernel). Tolerance: 8 float32 ulps
+    of the largest logit, 16 of each parameter's largest gradient, as for FlexAttention."""
+    sdpa = make_model(attention_backend="sdpa", max_seq_len=SEQ, **fields).train()
+    eager = make_model(attention_backend="eager", max_seq_len=SEQ, **fields).train()
+    documents = packed_documents() if packed else None
+    mask, is_causal = attention_mask(documents, 0, SEQ, CPU, "eager")
+    assert mask.dtype == torch.float32
+    assert not is_causal
+    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(5))
+    labels = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(6))
+    logits = {}
+    for name, model in (("sdpa", sdpa), ("eager", eager)):
+        logits[name] = model(ids, documents)
+        F.cross_entropy(logits[name].flatten(0, 1), labels.flatten()).backward()
+    assert_within_ulps(logits["eager"], logits["sdpa"], 8)
+    expected = grads(sdpa)
+    for name, grad in grads(eager).items():
+        assert_within_ulps(grad, expected[name], 16)
+
+
+def test_eager_document_mask_matches_the_written_out_reference(make_model):
+    """Independent of SDPA: the float64 per-token reference of test_transformer."""
+    model = make_model(attention_backend="eager", n_kv_heads=2)
+    documents = [0, 0, 0, 1, 1, 2, 2, 2, 2]
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = model(ids, torch.tensor([documents]))
+    assert torch.allclose(logits[0].double(), reference_logits(model, ids[0].tolist(), documents), atol=2e-5, rtol=0)
+
+
+def test_eager_bf16_stays_within_a_bf16_rounding_of_sdpa(make_model):
+    """Under bf16 autocast eager attention rounds its probabilities to bf16 before the product
+    with the values (SDPA's kernel keeps them in fp32): against the float64 reference, its logits
+    may be off by a bf16 rounding more than SDPA's, not by more."""
+    models = {backend: make_model(attention_backend=backend, max_seq_len=SEQ) for backend in ("sdpa", "eager")}
+    documents = [0] * 40 + [1] * 60 + [2] * 28
+    ids = torch.randint(0, VOCAB, (1, len(documents)), generator=torch.Generator().manual_seed(9))
+    expected = reference_logits(models["sdpa"], ids[0].tolist(), documents)
+    error = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for backend, model in models.items():
+            error[backend] = (model(ids, torch.tensor([documents]))[0].double() - expected).abs().max().item()
+    bf16_rounding = torch.finfo(torch.bfloat16).eps * expected.abs().max().item()
+    assert error["eager"] <= error["sdpa"] + bf16_rounding, error
+    assert error["eager"] > 0  # it did run in bf16
+
+
+def test_eager_decoding_over_a_kv_cache_continues_the_full_forward(make_model):
+    """A prompt, then several new tokens at once (a [T, start + T] bias), then one token (no
+    bias): each step's logits are the full sequence's at those positions."""
+    model = make_model(attention_backend="eager")
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    cache = KVCache(max_len=12)
+    with torch.no_grad():
+        full = model(ids)
+        pieces = [
+            model(ids[:, :5], kv_cache=cache),
+            model(ids[:, 5:11], kv_cache=cache),
+            model(ids[:, 11:], kv_cache=cache),
+        ]
+    assert_within_ulps(torch.cat(pieces, dim=1), full, 8)
+    mask, _ = attention_mask(None, 5, 6, CPU, "eager")
+    assert mask.shape == (6, 11)
+    assert mask.dtype == torch.float32
+    assert attention_mask(None, 11, 1, CPU, "eager") == (None, False)
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "dtype", "longest_eager"),
+    [
+        ("auto", "cpu", torch.float32, EAGER_MAX_KEYS[torch.float32]),
+        ("auto", "cpu", torch.bfloat16, EAGER_MAX_KEYS[torch.bfloat16]),
+        ("auto", "cpu", torch.float16, EAGER_MAX_KEYS[torch.float32]),  # not measured: fp32's limit
+        ("auto", "cuda", torch.bfloat16, 0),
+        ("sdpa", "cpu", torch.float32, 0),
+        ("flex", "cpu", torch.float32, 0),
+        ("eager", "cuda", torch.float32, 1 << 20),
+    ],
+)
+def test_auto_takes_eager_attention_on_cpu_up_to_its_measured_length(backend, device, dtype, longest_eager):
+    assert {torch.float32: 128, torch.bfloat16: 256} == EAGER_MAX_KEYS  # as the README and config help state
+    device = torch.device(device)
+    if longest_eager:
+        assert uses_eager(backend, device, longest_eager, dtype)
+    assert not uses_eager(backend, device, longest_eager + 1, dtype) or backend == "eager"
+
+
+@pytest.mark.parametrize(("seq", "precision", "eager_calls"), [(128, None, 4), (129, None, 0), (200, "bf16", 4)])
+def test_the_model_takes_the_path_auto_picks(make_model, monkeypatch, seq, precision, eager_calls):
+    """Through the model: on CPU ``auto`` runs every layer eagerly up to the measured length of
+    the compute dtype (bf16 under autocast) and through SDPA beyond it."""
+    calls: list[str] = []
+    monkeypatch.setattr(attention, "eager_attention", counting(calls, "eager", attention.eager_attention))
+    monkeypatch.setattr(
+        attention.F, "scaled_dot_product_attention", counting(calls, "sdpa", F.scaled_dot_product_attention)
+    )
+    model = make_model(attention_backend="auto", n_layers=4, max_seq_len=seq)
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        model(ids)
+    assert calls.count("eager") == eager_calls
+    assert calls.count("sdpa") == 4 - eager_calls

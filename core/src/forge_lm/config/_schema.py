@@ -105,12 +105,14 @@ class ModelSection:
     qk_norm: bool = attrs.field(default=False, metadata=_doc("Normalise queries and keys per head before RoPE."))
     attention_backend: str = attrs.field(
         default="auto",
-        validator=one_of("auto", "sdpa", "flex"),
+        validator=one_of("auto", "sdpa", "flex", "eager"),
         metadata=_doc(
-            "Attention of batches that pack several documents: 'sdpa' (a dense [B, 1, T, T] mask), "
+            "How attention applies the causal and packed-document masks: 'sdpa' "
+            "(F.scaled_dot_product_attention; a dense [B, 1, T, T] mask for packed documents), "
             "'flex' (FlexAttention's block mask; compiled on CUDA; on CPU eager, much slower and without "
-            "backward, so evaluation only), "
-            "'auto': flex on CUDA, sdpa elsewhere. Context parallelism always uses sdpa."
+            "backward, so evaluation only), 'eager' (written out: one [T, T] score matrix per head, "
+            "for short sequences), 'auto': flex on CUDA; on CPU eager up to 128 keys (256 in bf16), "
+            "sdpa beyond. Context parallelism always uses sdpa."
         ),
     )
     tie_embeddings: bool = attrs.field(default=True, metadata=_doc("Output head shares the embedding matrix."))

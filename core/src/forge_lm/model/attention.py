@@ -1,17 +1,25 @@
 """Causal self-attention with grouped-query heads, optional QK-norm and RoPE, and its masks.
 
-Packed documents (``document_ids``) need a mask beyond plain causal attention. It takes one of
-two forms, chosen once per forward by :func:`attention_mask` (``[model] attention_backend``):
+The causal mask, and for packed documents (``document_ids``) the mask that keeps a token within
+its own document, takes one of three forms, chosen once per forward by :func:`attention_mask`
+(``[model] attention_backend``):
 
-- ``"sdpa"``: a dense boolean ``[B, 1, T, T]`` mask for ``F.scaled_dot_product_attention``. On
-  CUDA it rules out SDPA's flash kernel; on CPU it is faster than FlexAttention.
+- ``"sdpa"``: ``F.scaled_dot_product_attention``, with a dense boolean ``[B, 1, T, T]`` mask
+  for packed documents and its fused causal kernels otherwise. On CUDA the dense mask rules out
+  SDPA's flash kernel.
 - ``"flex"``: a FlexAttention :class:`~torch.nn.attention.flex_attention.BlockMask`, which
   records which 128 x 128 tiles are empty, full or partial, so the fused kernel skips the empty
   ones. FlexAttention is only fused when compiled: on CUDA both ``flex_attention`` and
   ``create_block_mask`` are compiled once per process; elsewhere they run eagerly, which is
   exact but several times slower than the dense mask, and torch has no FlexAttention backward
   on CPU, so there it serves evaluation only.
-- ``"auto"`` (the default): ``"flex"`` on CUDA, ``"sdpa"`` elsewhere.
+- ``"eager"``: attention written out (:func:`eager_attention`): the scores as one batched
+  matrix product, an additive ``0 / -inf`` mask built once per forward, softmax in fp32. It
+  holds every ``[T, T]`` score matrix at once, so it suits short sequences only; on CPU it is
+  faster there than SDPA's CPU flash kernel, whose backward is slow at short lengths and slower
+  still in bf16 (``benchmarks/bench_train.py`` times both at several lengths).
+- ``"auto"`` (the default): ``"flex"`` on CUDA; on CPU ``"eager"`` up to
+  :data:`EAGER_MAX_KEYS` keys (the lengths where it measured faster), ``"sdpa"`` beyond.
 """
 
 from __future__ import annotations
@@ -76,7 +84,8 @@ class Attention(nn.Module):
         """``x`` ``[batch, seq, dim]`` -> ``[batch, seq, dim]``; ``cos``/``sin`` ``[seq, head_dim]`` for its positions.
 
         ``mask`` and ``is_causal`` come from :func:`attention_mask` (or :func:`positional_mask`):
-        a boolean tensor (True = may attend) goes to SDPA, a ``BlockMask`` to FlexAttention.
+        a boolean tensor (True = may attend) goes to SDPA, a float one (added to the scores) to
+        :func:`eager_attention`, a ``BlockMask`` to FlexAttention.
         """
         batch, seq, _ = x.shape
         # Head counts come from the projections' outputs, not from n_heads / n_kv_heads: under
@@ -98,6 +107,8 @@ class Attention(nn.Module):
             # repeat_kv), so the repeated keys and values are never materialised.
             check_flex_backward(q)
             out = flex_function(q.device)(q, k, v, block_mask=mask, enable_gqa=groups > 1)  # [B, H, T, Dh]
+        elif mask is not None and mask.is_floating_point():
+            out = eager_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), mask)  # [B, H, T, Dh]
         else:
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # [B, H, T, Dh]
@@ -125,7 +136,32 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x[:, :, None].expand(batch, heads, groups, seq, head_dim).reshape(batch, heads * groups, seq, head_dim)
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(Dh) + bias) v`` written out; ``q`` ``[B, H, T, Dh]``, ``k``/``v``
+    ``[B, H, S, Dh]``, ``bias`` broadcastable to ``[B, H, T, S]`` (0 where a query may attend,
+    ``-inf`` elsewhere; every row has a 0).
+
+    The products run in the inputs' dtype (bf16 under autocast), the softmax in fp32 at least;
+    the probabilities are cast back to that dtype for the product with ``v``, as in HF's eager
+    attention (SDPA's fused kernels keep them in fp32: in bf16 this path's outputs are about one
+    bf16 rounding further from the exact ones).
+    """
+    # The scale goes on q, the smaller operand when S > Dh; a power of two for usual head sizes.
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
+    if scores.element_size() < 4:  # bf16 / fp16 scores: softmax in fp32
+        scores = scores.float()
+    probs = torch.softmax(scores + bias, dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "eager")
+
+# The longest key length at which "auto" picks eager attention on CPU, per compute dtype.
+# Measured on the AMD EPYC development machine (forward + backward with a document mask, SDPA's
+# CPU flash kernel against eager_attention; benchmarks/bench_train.py's attention table): eager
+# is 1.2x faster at 128 keys in fp32 and 0.8x at 192; in bf16 2x to 4x faster up to 256 keys
+# and 0.7x at 384.
+EAGER_MAX_KEYS = {torch.float32: 128, torch.bfloat16: 256}
 
 
 def is_cuda(device: torch.device) -> bool:
@@ -133,12 +169,31 @@ def is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _check_backend(backend: str) -> None:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+
+
 def uses_flex(backend: str, device: torch.device) -> bool:
     """Whether a document mask on ``device`` is a FlexAttention ``BlockMask`` under ``backend``
     (``[model] attention_backend``): ``"auto"`` picks FlexAttention where it is compiled (CUDA)."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     return backend == "flex" or (backend == "auto" and is_cuda(device))
+
+
+def uses_eager(backend: str, device: torch.device, keys: int, dtype: torch.dtype) -> bool:
+    """Whether attention over ``keys`` keys computed in ``dtype`` on ``device`` is written out
+    (:func:`eager_attention`) under ``backend``: always for ``"eager"``; for ``"auto"`` on CPU up
+    to :data:`EAGER_MAX_KEYS` keys of the dtype (128 for dtypes not measured)."""
+    _check_backend(backend)
+    if backend == "auto":
+        return device.type == "cpu" and keys <= EAGER_MAX_KEYS.get(dtype, EAGER_MAX_KEYS[torch.float32])
+    return backend == "eager"
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype attention's products run in: autocast's on ``device`` when it is on, else fp32."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
 
 
 def flex_function(device: torch.device) -> Callable[..., torch.Tensor]:
@@ -187,9 +242,15 @@ def document_block_mask(document_ids: torch.Tensor) -> BlockMask:
 
 
 def attention_mask(
-    document_ids: torch.Tensor | None, start: int, length: int, device: torch.device, backend: str = "sdpa"
+    document_ids: torch.Tensor | None,
+    start: int,
+    length: int,
+    device: torch.device,
+    backend: str = "sdpa",
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | BlockMask | None, bool]:
-    """``(mask, is_causal)`` for ``length`` queries at positions ``[start, start + length)``.
+    """``(mask, is_causal)`` for ``length`` queries at positions ``[start, start + length)``,
+    attention computed in ``dtype`` (:func:`compute_dtype`).
 
     - No documents, no cached prefix: plain causal attention (``is_causal``, no mask tensor, so
       SDPA can use its fused kernels).
@@ -204,7 +265,25 @@ def attention_mask(
     - A cached prefix (``start > 0``): one new token sees every key (no mask); several new tokens
       get a ``[T, start + T]`` mask where query ``i`` sees keys ``j <= start + i`` (SDPA's
       ``is_causal`` would align the triangle to the top-left corner instead).
+
+    Where :func:`uses_eager` says so, any of these masks (causal attention included) comes as
+    the float ``0 / -inf`` bias :func:`eager_attention` adds to its scores, with ``is_causal``
+    False; one new token over a cached prefix still needs none.
     """
+    mask, is_causal = _boolean_mask(document_ids, start, length, device, backend)
+    if isinstance(mask, BlockMask) or not uses_eager(backend, device, start + length, dtype):
+        return mask, is_causal
+    if is_causal:
+        mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    if mask is None:
+        return None, False
+    # fp32 whatever the compute dtype: the scores are upcast before the bias is added.
+    return torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf")), False
+
+
+def _boolean_mask(
+    document_ids: torch.Tensor | None, start: int, length: int, device: torch.device, backend: str
+) -> tuple[torch.Tensor | BlockMask | None, bool]:
     if document_ids is not None and not bool((document_ids == document_ids[:, :1]).all()):
         if uses_flex(backend, device):
             return document_block_mask(document_ids), False

@@ -20,7 +20,7 @@ from torch import nn
 
 from forge_lm.config import ModelSection
 from forge_lm.errors import ForgeError, PluginError
-from forge_lm.model.attention import Attention, attention_mask, positional_mask
+from forge_lm.model.attention import Attention, attention_mask, compute_dtype, positional_mask
 from forge_lm.model.init import initialize
 from forge_lm.model.kv_cache import KVCache
 from forge_lm.model.linear import Linear
@@ -141,9 +141,10 @@ class Transformer(nn.Module):
         the sequences (:meth:`ContextParallel.shard`) and keys come from the whole group.
 
         ``document_ids`` ``[B, T]`` (packed sequences): a token attends only to earlier tokens of
-        its own document (through SDPA or FlexAttention, ``[model] attention_backend``; under
-        context parallelism always SDPA). ``kv_cache``: the tokens continue those already
-        cached (positions start at ``kv_cache.length``) and their keys and values are added to it.
+        its own document (through SDPA, FlexAttention or eager attention,
+        ``[model] attention_backend``; under context parallelism always SDPA). ``kv_cache``: the
+        tokens continue those already cached (positions start at ``kv_cache.length``) and their
+        keys and values are added to it.
 
         A pipeline stage (:mod:`forge_lm.distributed.pipeline`) is this model with the parts
         other stages hold set to ``None`` and ``layers`` a ``ModuleDict`` of its own blocks:
@@ -172,7 +173,10 @@ class Transformer(nn.Module):
             is_causal = False
         else:
             # Built once here and shared by every layer: a dense mask or a FlexAttention BlockMask.
-            mask, is_causal = attention_mask(document_ids, start, seq, input_ids.device, self.config.attention_backend)
+            device = input_ids.device
+            mask, is_causal = attention_mask(
+                document_ids, start, seq, device, self.config.attention_backend, compute_dtype(device)
+            )
             cos, sin = self.rope(start, seq)  # [T, head_dim] each
         h = self.tok_embeddings(input_ids) if embeds else input_ids  # [B, T, dim]
         layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
