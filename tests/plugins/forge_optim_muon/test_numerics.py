@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from forge_lm.config import ModelSection
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
 from forge_optim_muon import optimizer as muon_module
-from forge_optim_muon.optimizer import Muon, newton_schulz, orthogonalize, resolve_ns_dtype
+from forge_optim_muon.optimizer import Muon, cpu_multiplies_bf16, newton_schulz, orthogonalize, resolve_ns_dtype
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
 
@@ -144,10 +146,28 @@ def test_bfloat16_newton_schulz_is_close_to_float32_and_orthogonalises():
     assert singular.max() < 1.25
 
 
-def test_auto_ns_dtype_is_bfloat16_on_cuda_and_float32_elsewhere():
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "cpu_dtype"),
+    [(False, False, torch.float32), (True, False, torch.bfloat16), (False, True, torch.bfloat16)],
+)
+def test_auto_ns_dtype_is_bfloat16_where_the_hardware_multiplies_it(monkeypatch, avx512_bf16, amx, cpu_dtype):
+    """bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX (torch's feature detection stood in
+    for, so the test means the same on every machine), float32 on other CPUs."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     assert resolve_ns_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert resolve_ns_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_ns_dtype("auto", torch.device("cpu")) == cpu_dtype
     assert resolve_ns_dtype("float32", torch.device("cuda")) == torch.float32
+    assert resolve_ns_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+def test_the_cpu_check_agrees_with_proc_cpuinfo():
+    """Against an independent source where there is one: the flags Linux reports."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo off Linux")
+    flags = set(next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split())
+    assert cpu_multiplies_bf16() == bool({"avx512_bf16", "amx_tile"} & flags)
 
 
 def test_zero_gradient_gives_a_zero_update():

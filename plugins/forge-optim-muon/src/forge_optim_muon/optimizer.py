@@ -26,7 +26,8 @@ Scale:
   ``[experts, rows, cols]`` joins the batch of its ``rows x cols`` matrices.
 - ``ns_dtype``: ``"bfloat16"`` (as reference implementations: accurate enough, since the
   iteration only aims at singular values near 1), ``"float32"``, or ``"auto"``: bfloat16 on
-  CUDA, float32 elsewhere (CPUs without bf16 units emulate bf16 matmuls, many times slower).
+  CUDA and on CPUs with bf16 matrix instructions, float32 elsewhere (CPUs without them emulate
+  bf16 matmuls, many times slower).
 - Parameters that are DTensors (FSDP2, HSDP or tensor-parallel shards) are orthogonalised as
   whole matrices, a bounded group at a time: the matrices of one shape are cut into groups of
   at most ``gather_bucket_mb`` MiB (whole, in the update's dtype; a larger matrix is a group
@@ -107,9 +108,21 @@ def update_scale(rule: str, rows: int, cols: int) -> float:
     raise ValueError(f"update_scale must be one of {UPDATE_SCALES}, got {rule!r}")
 
 
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX), as torch's own CPU
+    feature detection (cpuinfo) reports them. Without them torch emulates bf16 matmuls."""
+    detected = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(callable(check) and check() for check in detected)
+
+
 def resolve_ns_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The Newton-Schulz dtype ``ns_dtype = name`` means on ``device``. ``"auto"``: bfloat16
+    where the hardware multiplies bf16 matrices (CUDA; a CPU with AVX-512 BF16 or AMX, where
+    ``benchmarks/bench_muon.py`` measured it 3.6x faster than float32), float32 elsewhere (a CPU
+    without them emulates bf16 matmuls, tens of times slower than float32)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        fast_bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_multiplies_bf16())
+        return torch.bfloat16 if fast_bf16 else torch.float32
     if name not in NS_DTYPES:
         raise ValueError(f"ns_dtype must be 'auto', 'bfloat16' or 'float32', got {name!r}")
     return NS_DTYPES[name]

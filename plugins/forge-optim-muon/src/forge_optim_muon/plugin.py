@@ -57,7 +57,8 @@ class MuonOptions(LearningRateOptions):
     ns_coefficients: tuple[float, float, float] = QUINTIC
     ns_steps: int = attrs.field(default=5, validator=_ns_steps)
     ns_eps: float = attrs.field(default=1e-7, validator=positive)  # the Frobenius norm is clamped to at least this
-    # "auto": bfloat16 on CUDA (fast, and accurate enough), float32 elsewhere (CPUs emulate bf16 matmuls, slowly).
+    # "auto": bfloat16 (accurate enough) where the hardware multiplies it: CUDA, CPUs with AVX-512 BF16 or AMX;
+    # float32 elsewhere (CPUs without them emulate bf16 matmuls, slowly).
     ns_dtype: str = attrs.field(default="auto", validator=one_of("auto", "bfloat16", "float32"))
     # AdamW, for embeddings, the output head, norms, biases and router gates. Follows the schedule like lr.
     adamw_lr: float = attrs.field(default=3e-3, validator=positive)
