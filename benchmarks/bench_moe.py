@@ -29,6 +29,7 @@ from _record import alternate, median, save, timed
 from forge_lm.model.swiglu import SwiGLU
 from forge_moe.experts import dispatch, resolve_kernel
 from forge_moe.layer import MoELayer
+from forge_moe.layer import combine as combine_outputs
 from forge_moe.routers import SigmoidTopKRouter, SoftmaxTopKRouter
 
 DIM, N_EXPERTS, TOP_K, EXPERT_HIDDEN = 256, 8, 2, 256
@@ -40,7 +41,7 @@ PARTS = (
     "part: routing (softmax_topk router)",
     "part: permutation (dispatch + gather rows)",
     "part: experts alone (auto kernel)",
-    "part: combine (weight + scatter + top-k sum)",
+    "part: combine (weight + index_add)",
 )
 GROUPED = "moe grouped_mm"
 FINE_GROUPED = "fine-grained moe grouped_mm"
@@ -120,9 +121,7 @@ def breakdown_steps(x: torch.Tensor) -> dict[str, Callable[[], float]]:
     def combine() -> None:  # weight each expert output and sum a token's top-k back together
         y = y_in.detach().requires_grad_()
         weights = weights_in.detach().requires_grad_()
-        scaled = y * weights.reshape(-1).index_select(0, plan.slots).unsqueeze(-1)
-        combined = scaled.new_zeros(tokens * top_k, DIM).index_copy(0, plan.slots, scaled)
-        combined.view(tokens, top_k, DIM).sum(dim=1).backward(out_grad)
+        combine_outputs(y, weights, plan.slots, tokens, top_k).backward(out_grad)
 
     steps = (router_step(layer.router, x, None), lambda: timed(permute), lambda: timed(experts), lambda: timed(combine))
     return dict(zip(PARTS, steps, strict=True))

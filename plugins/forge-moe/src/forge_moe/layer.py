@@ -62,6 +62,21 @@ class GroupedExperts(nn.Module):
         return expert_swiglu(x, counts, w1, w3, w2, kernel, pad_to=pad_to)
 
 
+def combine(y: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """Each token's output ``[tokens, dim]``: the sum over its kept assignments of the expert's
+    output ``y`` (a row per kept slot, in the order of ``slots``, the flat ``token * top_k + k``
+    positions) times its combine weight (``weights`` ``[tokens, top_k]``).
+
+    One ``index_add`` of the weighted rows into the tokens' rows (its backward a gather), where
+    scattering into a ``[tokens * top_k, dim]`` buffer and summing over ``top_k`` took 3 to 4
+    times as long on CPU (``benchmarks/bench_moe.py``'s combine part). A token with no kept
+    assignment stays zero. With top-2 the sums are exactly those in ``k`` order (``0 + a + b``
+    equals ``0 + b + a`` in floating point); with more they follow the slots' order, by expert,
+    deterministically on CPU (and on CUDA under ``torch.use_deterministic_algorithms``)."""
+    weighted = y * weights.reshape(-1).index_select(0, slots).unsqueeze(-1).to(y.dtype)
+    return y.new_zeros(tokens, y.shape[-1]).index_add(0, slots // top_k, weighted)
+
+
 def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight  # a DTensor: this rank's experts
 
@@ -167,9 +182,7 @@ class MoELayer(nn.Module):
             y = self.experts(rows, plan.counts, self.kernel, limit)
         else:  # to the experts' owners and back
             y = self.expert_parallel.run(self.experts, rows, plan.counts, self.kernel, limit)
-        y = y * routing.weights.reshape(-1).index_select(0, plan.slots).unsqueeze(-1).to(y.dtype)
-        combined = y.new_zeros(tokens * self.top_k, dim).index_copy(0, plan.slots, y)  # dropped slots stay zero
-        out = combined.view(tokens, self.top_k, dim).sum(dim=1)
+        out = combine(y, routing.weights, plan.slots, tokens, self.top_k)
         if self.shared is not None:
             out = out + self.shared(flat).to(out.dtype)
         if not recomputing():  # activation checkpointing's replay has reported already
