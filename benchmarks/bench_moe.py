@@ -46,6 +46,11 @@ PARTS = (
 GROUPED = "moe grouped_mm"
 FINE_GROUPED = "fine-grained moe grouped_mm"
 FINE_LOOP = "fine-grained moe loop over experts"
+FINE_AUTO = "fine-grained moe auto"
+# The default layer at twice the width (dim and expert hidden): where the fixed costs stand as
+# the products grow 4x.
+WIDE_DENSE = "dense swiglu, 2x wide"
+WIDE_AUTO = "moe auto, 2x wide"
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -55,11 +60,12 @@ def moe_layer(
     n_experts: int = N_EXPERTS,
     top_k: int = TOP_K,
     hidden: int = EXPERT_HIDDEN,
+    dim: int = DIM,
 ) -> MoELayer:
     torch.manual_seed(0)  # every kernel gets the same weights and so the same routing
-    router = SoftmaxTopKRouter(DIM, n_experts, top_k, balance_loss_weight=0.01)
+    router = SoftmaxTopKRouter(dim, n_experts, top_k, balance_loss_weight=0.01)
     return MoELayer(
-        DIM,
+        dim,
         0,
         router,
         n_experts=n_experts,
@@ -73,8 +79,10 @@ def moe_layer(
 def layer_step(layer: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> Callable[[], float]:
     def step() -> None:
         layer.zero_grad(set_to_none=True)
+        # The input needs its gradient, as every layer's does in a model (the products for it count).
+        leaf = x.detach().requires_grad_()
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            y = layer(x)
+            y = layer(leaf)
         y.float().square().mean().backward()
 
     return lambda: timed(step)
@@ -83,8 +91,9 @@ def layer_step(layer: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype | Non
 def router_step(router: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> Callable[[], float]:
     def step() -> None:
         router.zero_grad(set_to_none=True)
+        leaf = x.detach().requires_grad_()
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            routing = router(x)
+            routing = router(leaf)
         (routing.weights.square().mean() + sum(routing.aux_losses.values())).backward()
 
     return lambda: timed(step)
@@ -146,8 +155,18 @@ def variants(x: torch.Tensor) -> dict[tuple[str, str], Callable[[], float]]:
             out[(dtype_name, name)] = router_step(router.train(), x, dtype)
     # Fine-grained experts, same active size: 32 experts of a quarter the hidden size, top-8 (fp32 only).
     fine = {"n_experts": 4 * N_EXPERTS, "top_k": 4 * TOP_K, "hidden": EXPERT_HIDDEN // 4}
-    for kernel, what in (("grouped_mm", FINE_GROUPED), ("padded", "fine-grained moe padded bmm"), ("loop", FINE_LOOP)):
+    fine_kernels = {
+        "grouped_mm": FINE_GROUPED,
+        "padded": "fine-grained moe padded bmm",
+        "loop": FINE_LOOP,
+        "auto": FINE_AUTO,
+    }
+    for kernel, what in fine_kernels.items():
         out[("fp32", what)] = layer_step(moe_layer(kernel, **fine), x, None)
+    wide = torch.randn(BATCH, SEQ, 2 * DIM, generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(1)
+    out[("fp32", WIDE_DENSE)] = layer_step(SwiGLU(2 * DIM, TOP_K * 2 * EXPERT_HIDDEN), wide, None)
+    out[("fp32", WIDE_AUTO)] = layer_step(moe_layer("auto", hidden=2 * EXPERT_HIDDEN, dim=2 * DIM), wide, None)
     for what, step in breakdown_steps(x).items():
         out[("fp32", what)] = step
     return out
@@ -173,9 +192,9 @@ def main() -> None:
     for name, values in samples.items():
         dtype_name, what = names[name]
         time_s = medians[(dtype_name, what)]
-        fine = what.startswith("fine-grained")
-        dense = medians[(dtype_name, DENSE)]
-        loop = medians[(dtype_name, FINE_LOOP if fine else LOOP)]
+        fine, wide = what.startswith("fine-grained"), what.endswith("2x wide")
+        dense = medians[(dtype_name, WIDE_DENSE if wide else DENSE)]
+        loop = medians[(dtype_name, WIDE_AUTO if wide else FINE_LOOP if fine else LOOP)]
         rows.append(
             {
                 "dtype": dtype_name,
@@ -185,7 +204,9 @@ def main() -> None:
                 "tokens_per_s": tokens / time_s,
                 "speed_vs_dense": dense / time_s,
                 "speed_vs_loop": loop / time_s,
-                "time_vs_moe_grouped": time_s / medians[(dtype_name, FINE_GROUPED if fine else GROUPED)],
+                "time_vs_moe_grouped": None
+                if wide
+                else time_s / medians[(dtype_name, FINE_GROUPED if fine else GROUPED)],
             }
         )
         print(
@@ -223,7 +244,19 @@ def main() -> None:
             "measure": f"MoE layer fp32, {4 * N_EXPERTS} fine-grained experts: loop / grouped_mm (time)",
             "value": fine_loop,
             "meaning": "above 1: packed experts beat the loop over experts",
-        }
+        },
+        {
+            "measure": f"MoE layer fp32, {4 * N_EXPERTS} fine-grained experts top-{4 * TOP_K} (auto kernel): dense of "
+            "equal active size / MoE (time)",
+            "value": medians[("fp32", DENSE)] / medians[("fp32", FINE_AUTO)],
+            "meaning": f"target 0.9; {4 * N_EXPERTS * 9} small products per step (experts of hidden "
+            f"{EXPERT_HIDDEN // 4})",
+        },
+        {
+            "measure": "MoE layer fp32 at 2x the width (auto kernel): dense of equal active size / MoE (time)",
+            "value": medians[("fp32", WIDE_DENSE)] / medians[("fp32", WIDE_AUTO)],
+            "meaning": "the same ratio with 4x the products' work: how much of the gap is fixed cost",
+        },
     ]
     save(
         "moe",
@@ -238,6 +271,8 @@ def main() -> None:
             "speed_vs_*: that layer's median time over this row's (higher is faster); time_vs_moe_grouped: this "
             "row's median over the grouped MoE layer's (the routers' share of the layer). Fine-grained rows: "
             f"{4 * N_EXPERTS} experts of hidden {EXPERT_HIDDEN // 4}, top-{4 * TOP_K}, compared with their own loop. "
+            f"2x wide rows: dim {2 * DIM}, experts of hidden {2 * EXPERT_HIDDEN}, against a dense layer of that width. "
+            "Every layer's input needs its gradient, as in a model. "
             "Linear products: the core's default (fp32 on CPU: oneDNN, forge_lm.model.linear), in the dense layer and "
             "the loop over experts alike; grouped_mm and bmm use torch's own kernels. `auto`: the kernel forge-moe "
             f"picks here ({resolve_kernel('auto', x.reshape(-1, DIM), EXPERT_HIDDEN)} in fp32). `part:` rows: the "
