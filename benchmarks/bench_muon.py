@@ -33,10 +33,11 @@ import torch
 from _record import save
 
 from forge_lm.config import ModelSection
+from forge_lm.metrics.mfu import cpu_multiplies_bf16
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
 from forge_optim_muon.factory import assign_parameters
-from forge_optim_muon.optimizer import QUINTIC, Muon, cpu_multiplies_bf16, newton_schulz, resolve_ns_dtype
+from forge_optim_muon.optimizer import QUINTIC, Muon, newton_schulz, resolve_ns_dtype
 
 LR, MOMENTUM, WEIGHT_DECAY = 0.02, 0.95, 0.1
 

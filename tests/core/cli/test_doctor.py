@@ -23,6 +23,7 @@ import torch
 from forge_lm.cli import _doctor
 from forge_lm.cli._doctor import _environment, _gpu, _paths
 from forge_lm.cli._main import main
+from forge_lm.metrics import mfu
 
 REAL_METADATA = _environment.distribution_metadata
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "packaging.md"
@@ -92,6 +93,7 @@ def test_healthy_cpu_environment_passes_every_check_with_exit_0(doctor):
         "plugin wandb": "ok",
         "config": "ok",
         "device": "ok",
+        "precision": "ok",
         "peak flops": "ok",
         "run directory": "ok",
         "disk": "ok",
@@ -186,6 +188,37 @@ def test_gpu_without_nccl_fails_naming_the_fix(doctor, monkeypatch):
     assert status == "fail"
     assert "runs on GPUs communicate through NCCL, which this torch build lacks" in detail
     assert "Fix: install an official CUDA build of torch" in detail
+
+
+@pytest.mark.parametrize(
+    ("bf16_units", "precision", "status", "says"),
+    [
+        (True, "auto", "ok", "fp32 on cpu; this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX): "
+         "--train.precision=bf16 trains faster"),
+        (True, "bf16", "ok", "bf16 autocast on cpu; this CPU has bf16 matrix instructions"),
+        (False, "auto", "ok", "fp32 on cpu; this CPU has no bf16 matrix instructions, so fp32 is its fastest"),
+        (False, "bf16", "warning", "torch emulates bf16 products, several times slower than fp32. Use "
+         "--train.precision=fp32"),
+    ],
+)  # fmt: skip
+def test_the_precision_row_says_whether_bf16_pays_on_this_cpu(doctor, monkeypatch, bf16_units, precision, status, says):
+    """The CPU's bf16 units stood in for, so the test means the same on every machine."""
+    monkeypatch.setattr(mfu, "cpu_multiplies_bf16", lambda: bf16_units)
+
+    code, rows = doctor("--no-plugin-autoload", "--train.device=cpu", f"--train.precision={precision}")
+
+    assert code == 0  # a slow precision warns; the run can still start
+    assert rows["precision"][0] == status
+    assert says in rows["precision"][1]
+
+
+def test_on_a_gpu_the_precision_row_states_the_autocast_dtype(doctor, monkeypatch):
+    _a_gpu(monkeypatch, nccl=True)
+    monkeypatch.setattr("forge_lm.train.device.resolve_device", lambda setting: torch.device("cuda"))
+
+    _, rows = doctor("--no-plugin-autoload", "--train.device=cpu")
+
+    assert rows["precision"] == ("ok", "train.precision 'auto': bf16 autocast on cuda")
 
 
 def test_gpu_without_bf16_warns_to_use_fp32(doctor, monkeypatch):

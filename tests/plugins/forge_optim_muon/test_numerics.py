@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from forge_lm.config import ModelSection
+from forge_lm.metrics.mfu import cpu_multiplies_bf16
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
 from forge_optim_muon import optimizer as muon_module
-from forge_optim_muon.optimizer import Muon, cpu_multiplies_bf16, newton_schulz, orthogonalize, resolve_ns_dtype
+from forge_optim_muon.optimizer import Muon, newton_schulz, orthogonalize, resolve_ns_dtype
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
 

@@ -291,6 +291,14 @@ def parse_cpuinfo(text: str) -> list[dict[str, str]]:
     return processors
 
 
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX), as torch's own CPU
+    feature detection (cpuinfo) reports them. Without them torch emulates bf16 matmuls, several
+    times slower than fp32; with them bf16 runs about twice the fp32 rate."""
+    detected = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return any(callable(check) and check() for check in detected)
+
+
 # FLOP per cycle per core, from the width and number of each core's FMA units (an FMA is two
 # FLOPs): fp32 lanes per vector x 2 x units. Sources: Intel 64 and IA-32 Architectures
 # Optimization Reference Manual (Haswell and later: two 256-bit FMA ports; Skylake-SP Xeon:

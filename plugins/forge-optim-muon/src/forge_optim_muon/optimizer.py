@@ -58,6 +58,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from forge_lm.metrics.mfu import cpu_multiplies_bf16
+
 QUINTIC = (3.4445, -4.7750, 2.0315)
 GATHER_BUCKET_MB = 512.0  # default bound on the whole matrices gathered at once (MiB)
 UPDATE_SCALES = ("original", "match_rms_adamw")
@@ -106,13 +108,6 @@ def update_scale(rule: str, rows: int, cols: int) -> float:
     if rule == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
     raise ValueError(f"update_scale must be one of {UPDATE_SCALES}, got {rule!r}")
-
-
-def cpu_multiplies_bf16() -> bool:
-    """Whether this CPU has bf16 matrix instructions (AVX-512 BF16 or AMX), as torch's own CPU
-    feature detection (cpuinfo) reports them. Without them torch emulates bf16 matmuls."""
-    detected = (getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return any(callable(check) and check() for check in detected)
 
 
 def resolve_ns_dtype(name: str, device: torch.device) -> torch.dtype:

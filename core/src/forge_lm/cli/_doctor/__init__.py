@@ -44,7 +44,7 @@ SECTIONS = (
     _environment,  # python, torch, dependencies
     _gpu,  # gpu, distributed
     _plugins,  # core plugins, plugins or plugin NAME, plugin switches
-    _config,  # config, device, peak flops
+    _config,  # config, device, precision, peak flops
     _health,  # health, health rank N
     _paths,  # run directory, disk, checkpoints, cache directory
 )
