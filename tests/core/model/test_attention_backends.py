@@ -82,27 +82,36 @@ ARCHITECTURES = {
 def test_flex_logits_and_gradients_equal_the_sdpa_mask(make_model, fields):
     """Tolerance: 8 float32 ulps of the largest logit, 16 of each parameter's largest gradient
     (measured: at most 5 and 9; a wrong mask or head mapping moves them by whole units)."""
-    sdpa = make_model(attention_backend="sdpa", max_seq_len=SEQ, **fields).train()
-    flex = make_model(attention_backend="flex", max_seq_len=SEQ, **fields).train()
     documents = packed_documents()
     assert isinstance(attention_mask(documents, 0, SEQ, CPU, "flex")[0], BlockMask)
+    logits, sdpa, ids = train_step_against_sdpa(make_model, "flex", fields, documents)
+    # The mask did cut attention: the packed rows differ from the same tokens without documents.
+    assert not torch.allclose(logits[0], sdpa(ids)[0], atol=1e-3)
+
+
+def train_step_against_sdpa(make_model, backend: str, fields: dict, documents: torch.Tensor | None) -> tuple:
+    """One forward and backward of the same model and batch through ``backend`` and through SDPA:
+    logits within 8 float32 ulps of the largest, each parameter's gradient within 16 of its
+    largest. Returns ``(backend's logits, the SDPA model, the input ids)``."""
+    sdpa = make_model(attention_backend="sdpa", max_seq_len=SEQ, **fields).train()
+    other = make_model(attention_backend=backend, max_seq_len=SEQ, **fields).train()
     ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(5))
     labels = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(6))
     logits = {}
-    for name, model in (("sdpa", sdpa), ("flex", flex)):
+    for name, model in (("sdpa", sdpa), (backend, other)):
         logits[name] = model(ids, documents)
         F.cross_entropy(logits[name].flatten(0, 1), labels.flatten()).backward()
-    assert_within_ulps(logits["flex"], logits["sdpa"], 8)
+    assert_within_ulps(logits[backend], logits["sdpa"], 8)
     expected = grads(sdpa)
-    for name, grad in grads(flex).items():
+    for name, grad in grads(other).items():
         assert_within_ulps(grad, expected[name], 16)
-    # The mask did cut attention: the packed rows differ from the same tokens without documents.
-    assert not torch.allclose(logits["flex"][0], sdpa(ids)[0], atol=1e-3)
+    return logits[backend], sdpa, ids
 
 
-def test_flex_document_mask_matches_the_written_out_reference(make_model):
+@pytest.mark.parametrize("backend", ["flex", "eager"])
+def test_the_document_mask_matches_the_written_out_reference(make_model, backend):
     """Independent of SDPA: the float64 per-token reference of test_transformer."""
-    model = make_model(attention_backend="flex", n_kv_heads=2)
+    model = make_model(attention_backend=backend, n_kv_heads=2)
     documents = [0, 0, 0, 1, 1, 2, 2, 2, 2]
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -249,32 +258,11 @@ def test_eager_logits_and_gradients_equal_sdpa(make_model, fields, packed):
     """Eager attention against SDPA's kernels, forward and backward, with packed documents and
     plain causal attention (where SDPA takes its fused causal kernel). Tolerance: 8 float32 ulps
     of the largest logit, 16 of each parameter's largest gradient, as for FlexAttention."""
-    sdpa = make_model(attention_backend="sdpa", max_seq_len=SEQ, **fields).train()
-    eager = make_model(attention_backend="eager", max_seq_len=SEQ, **fields).train()
     documents = packed_documents() if packed else None
     mask, is_causal = attention_mask(documents, 0, SEQ, CPU, "eager")
     assert mask.dtype == torch.float32
     assert not is_causal
-    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(5))
-    labels = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(6))
-    logits = {}
-    for name, model in (("sdpa", sdpa), ("eager", eager)):
-        logits[name] = model(ids, documents)
-        F.cross_entropy(logits[name].flatten(0, 1), labels.flatten()).backward()
-    assert_within_ulps(logits["eager"], logits["sdpa"], 8)
-    expected = grads(sdpa)
-    for name, grad in grads(eager).items():
-        assert_within_ulps(grad, expected[name], 16)
-
-
-def test_eager_document_mask_matches_the_written_out_reference(make_model):
-    """Independent of SDPA: the float64 per-token reference of test_transformer."""
-    model = make_model(attention_backend="eager", n_kv_heads=2)
-    documents = [0, 0, 0, 1, 1, 2, 2, 2, 2]
-    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        logits = model(ids, torch.tensor([documents]))
-    assert torch.allclose(logits[0].double(), reference_logits(model, ids[0].tolist(), documents), atol=2e-5, rtol=0)
+    train_step_against_sdpa(make_model, "eager", fields, documents)
 
 
 def test_eager_bf16_stays_within_a_bf16_rounding_of_sdpa(make_model):
