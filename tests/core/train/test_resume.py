@@ -15,7 +15,7 @@ from forge_lm.config import load_config
 from forge_lm.errors import ConfigError
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginManager, PluginSettings
-from forge_lm.train import train
+from forge_lm.train import loop, train
 
 
 class _ExtraOptimizer:
@@ -35,6 +35,28 @@ def test_resuming_continues_the_step_count_and_appends_to_the_metrics(tiny_confi
     steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6, 7]
     assert (run_dir / "config.resume-1.toml").exists()  # the changed config is recorded, the first kept
+
+
+def test_a_resume_that_fails_before_its_first_step_leaves_no_record_of_its_settings(tiny_config, manager, monkeypatch):
+    """``config.resume-N.toml`` records the settings a resume changed; a resume that stops
+    before training a step (here its first step crashes) did not happen, so the record goes,
+    and the next resume is recorded as the first."""
+    config = tiny_config("--train.max_steps=4")
+    run_dir = train(config, manager).run_dir
+    original = (run_dir / "config.toml").read_text()
+    longer = load_config(run_dir / "config.toml", ["--train.max_steps=7"], manager.registry)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("the first step crashed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "_train_step", crash)
+        with pytest.raises(RuntimeError, match="the first step crashed"):
+            train(longer, manager)
+    assert not list(run_dir.glob("config.resume-*.toml"))
+    assert (run_dir / "config.toml").read_text() == original
+    assert train(longer, manager).steps == 7
+    assert [p.name for p in run_dir.glob("config.resume-*.toml")] == ["config.resume-1.toml"]
 
 
 def test_resuming_a_run_whose_component_is_gone_is_refused_naming_it(tiny_config, manager):

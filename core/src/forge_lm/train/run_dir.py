@@ -61,13 +61,15 @@ class RunDirectory:
 
     :meth:`open` creates or checks the directory under its lock; :meth:`close` (or leaving the
     ``with`` block) releases the lock and, when the run failed before :attr:`trained` was set
-    (by the loop, after each step), removes the directory if this run created it.
+    (by the loop, after each step), removes the directory if this run created it, or else the
+    record of a resume's changed settings (``config.resume-N.toml``) that never trained.
     """
 
     def __init__(self, output_dir: str | os.PathLike[str]) -> None:
         self.path = Path(output_dir)
         self.trained = False  # set once a step is done: from then on the directory is kept
         self._created: Path | None = None  # the topmost directory this run created
+        self._resume_record: Path | None = None  # the config.resume-N.toml this run wrote
         self._lock: RunLock | None = None
 
     def open(self, config: ForgeConfig, manager: PluginManager) -> tuple[Path, bool]:
@@ -81,7 +83,8 @@ class RunDirectory:
         except OSError as exc:
             raise _cannot_lock(self.path, lock.path, exc) from None
         self._lock = lock
-        return self.path, _prepare(self.path, config, manager)
+        resuming, self._resume_record = _prepare(self.path, config, manager)
+        return self.path, resuming
 
     def close(self, *, failed: bool) -> None:
         # Only under its lock: a run that lost the race for a directory it made leaves it to the winner.
@@ -95,7 +98,9 @@ class RunDirectory:
                     parent.rmdir()
                 except OSError:
                     break
-        self._created = None
+        if failed and self._resume_record is not None and not self.trained:
+            self._resume_record.unlink(missing_ok=True)  # it records a resume that did not happen
+        self._created = self._resume_record = None
         if self._lock is not None:
             self._lock, lock = None, self._lock
             lock.release()
@@ -115,10 +120,13 @@ def prepare_run_dir(config: ForgeConfig, manager: PluginManager) -> tuple[Path, 
     """
     run_dir = Path(config.train.output_dir)
     _make_dirs(run_dir)
-    return run_dir, _prepare(run_dir, config, manager)
+    resuming, _ = _prepare(run_dir, config, manager)
+    return run_dir, resuming
 
 
-def _prepare(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> bool:
+def _prepare(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> tuple[bool, Path | None]:
+    """Whether ``config`` resumes the run in ``run_dir`` (else it starts it), and the record of
+    the resume's changed settings it wrote, if any."""
     checkpoints = run_dir / CHECKPOINTS
     if _lexists(checkpoints) and not checkpoints.is_dir():
         raise ForgeError(
@@ -143,13 +151,12 @@ def _prepare(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> bool
                 "or choose another train.output_dir."
             )
         _write_run_files(run_dir, config, manager)
-        return False
+        return False, None
     _check_writable(run_dir)
     if checkpointed:
-        _check_resume(run_dir, config, manager)
-    else:
-        _restart(run_dir, config, manager)
-    return True
+        return True, _check_resume(run_dir, config, manager)
+    _restart(run_dir, config, manager)
+    return True, None
 
 
 def _restart(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> None:
@@ -175,7 +182,9 @@ def _restart(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> None
         _write_run_files(run_dir, config, manager)
 
 
-def _check_resume(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> None:
+def _check_resume(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> Path | None:
+    """Refuse a resume that changes what a run cannot change; record the settings it does change
+    (``config.resume-N.toml``, returned) and warn about plugin differences."""
     try:
         stored_data = read_toml(run_dir / CONFIG_FILE)
     except ConfigError as exc:
@@ -195,20 +204,23 @@ def _check_resume(run_dir: Path, config: ForgeConfig, manager: PluginManager) ->
             f"run cannot change them. Resume with its own config (forge train {run_dir / CONFIG_FILE}) or "
             "choose a new train.output_dir."
         )
+    record = None
     if changed:
         _warn(f"resuming '{run_dir}' with changed settings: {', '.join(changed)}")
         index = len(list(run_dir.glob("config.resume-*.toml"))) + 1
-        _write(run_dir / f"config.resume-{index}.toml", to_toml(config))
+        record = run_dir / f"config.resume-{index}.toml"
+        _write(record, to_toml(config))
     manifest_path = run_dir / MANIFEST_FILE
     if not _lexists(manifest_path):
-        return
+        return record
     stored_manifest, problem = _read_manifest(manifest_path)
     if problem:
         _warn(f"resuming '{run_dir}': {problem}; it is replaced by this run's plugins")
         _write(manifest_path, _manifest_text(manager))
-        return
+        return record
     for difference in manifest_differences(_loaded(stored_manifest), manager.manifest()):
         _warn(f"resuming '{run_dir}': {difference}")
+    return record
 
 
 def _read_manifest(path: Path) -> tuple[list[dict[str, str]], str]:
