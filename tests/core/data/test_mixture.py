@@ -12,7 +12,7 @@ import torch
 
 from forge_lm.components import DataContext
 from forge_lm.config import load_config, structure_options
-from forge_lm.errors import ConfigError
+from forge_lm.errors import ConfigError, PluginError
 from forge_lm.plugins import Component, PluginInfo, Registry
 
 
@@ -154,3 +154,20 @@ def test_a_mixture_is_configured_with_arrays_of_source_tables(tmp_path, manager)
     assert options.sources[0].options.eval_fraction == 0.1
     assert options.temperature == 4.0
     assert options.phases[0].until_sample == 10
+
+
+def test_a_source_that_fails_to_build_is_named_in_the_error(registry):
+    """The source's own crash, reported under its name and plugin (as a dataset chosen directly
+    would be), not as the mixture's."""
+
+    def broken(options, context):
+        raise ValueError("no shards under /data/missing")
+
+    plugin = PluginInfo("thirdparty", "thirdparty-data", "2.0", "tests")
+    registry.add(Component("datasets", "broken_source", broken, ConstantOptions, "", plugin))
+    with pytest.raises(PluginError) as info:
+        mixture(registry, sources=[{"name": "constant"}, {"name": "broken_source"}])
+    message = str(info.value)
+    assert message.startswith("dataset 'broken_source' from ")
+    assert "thirdparty-data" in message
+    assert "no shards under /data/missing" in message

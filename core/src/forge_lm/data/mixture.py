@@ -97,7 +97,8 @@ def build_mixture(options: Any, context: DataContext) -> Mixture:
             "(DataContext.registry is None)."
         )
     sources = [
-        context.registry.resolve("datasets", chosen.name).build(chosen.options, context) for chosen in options.sources
+        context.registry.resolve("datasets", chosen.name).build_for_run(chosen.options, context)
+        for chosen in options.sources
     ]
     weights = options.weights or [1.0] * len(sources)
     schedule = [(phase.until_sample, probabilities(phase.weights, options.temperature)) for phase in options.phases]
