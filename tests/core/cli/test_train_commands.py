@@ -136,3 +136,59 @@ def test_imported_hf_llama_gives_the_same_logits_and_exports_back_unchanged(tmp_
     again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
     for name, tensor in hf.state_dict().items():
         assert torch.equal(again.state_dict()[name], tensor), name
+
+
+def _small_hf_llama(path) -> None:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def test_an_import_that_fails_before_its_checkpoint_leaves_no_half_made_run(tmp_path, monkeypatch, capsys):
+    """import-hf writes the run's config, then its step-0 checkpoint; when the write fails (here
+    a full disk), the directory it created goes, so the same command can simply be run again."""
+    from forge_lm.checkpoint import CheckpointManager
+    from forge_lm.cli._main import main
+
+    _small_hf_llama(tmp_path / "hf")
+    run = tmp_path / "runs" / "imported"
+    command = ["--no-plugin-autoload", "import-hf", str(tmp_path / "hf"), f"--train.output_dir={run}"]
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(CheckpointManager, "save", disk_full)
+        assert main(command) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the imported checkpoint into '{run}': No space left on device." in err
+    assert "Traceback" not in err
+    assert not run.exists()
+    assert not run.parent.exists()  # the parents it made, too
+    assert main(command) == 0
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_0"
+
+
+def test_import_hf_takes_the_run_directory_lock(tmp_path, capsys):
+    """A directory another command holds (its lock taken) is refused, and left as it was."""
+    from forge_lm.cli._main import main
+    from forge_lm.train.run_lock import RunLock
+
+    _small_hf_llama(tmp_path / "hf")
+    run = tmp_path / "busy"
+    run.mkdir()
+    lock = RunLock(run)
+    lock.acquire()
+    try:
+        code = main(["--no-plugin-autoload", "import-hf", str(tmp_path / "hf"), f"--train.output_dir={run}"])
+    finally:
+        lock.release()
+    assert code == 2
+    assert "lock" in capsys.readouterr().err
+    assert run.is_dir()
+    assert not (run / "config.toml").exists()

@@ -26,10 +26,10 @@ def run(args, overrides, plugins) -> int:
 
     from forge_lm.checkpoint import CheckpointManager
     from forge_lm.config import TrainSection, merge, parse_overrides, structure_config
-    from forge_lm.errors import ConfigError
+    from forge_lm.errors import ConfigError, ForgeError
     from forge_lm.model import build_model
     from forge_lm.model.hf import import_with_plugins
-    from forge_lm.train.run_dir import prepare_run_dir
+    from forge_lm.train.run_dir import RunDirectory
 
     hf_dir = Path(args.hf_dir)
     manager = plugins()
@@ -44,13 +44,26 @@ def run(args, overrides, plugins) -> int:
 
     model = build_model(config.model, config.model.vocab_size, manager.registry)
     model.load_state_dict(state)
+    taken = ConfigError(f"[train] output_dir: '{config.train.output_dir}' already holds a run; choose a new one.")
     if Path(config.train.output_dir, "config.toml").exists():
-        raise ConfigError(f"[train] output_dir: '{config.train.output_dir}' already holds a run; choose a new one.")
-    run_dir, _ = prepare_run_dir(config, manager)
-    optimizer = config.optimizer.build(model)  # fresh: nothing trained yet
-    # Step 0 with no scheduler or data position: `forge train` on this directory starts
-    # training from the imported weights.
-    state = {"tokens_seen": 0, "plugins": {}, "imported_from": str(hf_dir.resolve())}
-    CheckpointManager(run_dir).save(0, model, optimizer, state)
+        raise taken
+    # Under the run directory's lock, as `forge train` holds it; if the import fails before its
+    # checkpoint is written, the directory it created goes with it (no half-made run is left).
+    with RunDirectory(config.train.output_dir) as run:
+        run_dir, resuming = run.open(config, manager)
+        if resuming:  # another command made a run there since the check above
+            raise taken
+        optimizer = config.optimizer.build(model)  # fresh: nothing trained yet
+        # Step 0 with no scheduler or data position: `forge train` on this directory starts
+        # training from the imported weights.
+        state = {"tokens_seen": 0, "plugins": {}, "imported_from": str(hf_dir.resolve())}
+        try:
+            CheckpointManager(run_dir).save(0, model, optimizer, state)
+        except OSError as exc:  # a full disk, a read-only mount: the directory goes (above), the fix is the user's
+            raise ForgeError(
+                f"cannot write the imported checkpoint into '{run_dir}': {exc.strerror or exc}. Free space "
+                "there or choose another train.output_dir; nothing was kept."
+            ) from exc
+        run.trained = True  # a complete run directory from here on: kept whatever happens
     print(f"imported {hf_dir} into run directory {run_dir}")
     return 0

@@ -112,18 +112,6 @@ class RunDirectory:
         self.close(failed=exc_type is not None)
 
 
-def prepare_run_dir(config: ForgeConfig, manager: PluginManager) -> tuple[Path, bool]:
-    """Create the run directory, or check that ``config`` may resume the run already in it,
-    without locking it (``forge import-hf`` creates a new one and is done).
-
-    Returns ``(run_dir, resuming)``.
-    """
-    run_dir = Path(config.train.output_dir)
-    _make_dirs(run_dir)
-    resuming, _ = _prepare(run_dir, config, manager)
-    return run_dir, resuming
-
-
 def _prepare(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> tuple[bool, Path | None]:
     """Whether ``config`` resumes the run in ``run_dir`` (else it starts it), and the record of
     the resume's changed settings it wrote, if any."""
