@@ -279,7 +279,7 @@ def attention_mask(
     if mask is None:
         return None, False
     # fp32 whatever the compute dtype: the scores are upcast before the bias is added.
-    return torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf")), False
+    return torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill_(~mask, float("-inf")), False
 
 
 def _boolean_mask(
