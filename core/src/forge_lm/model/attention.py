@@ -160,7 +160,7 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "eager")
 # Measured on the AMD EPYC development machine (forward + backward with a document mask, SDPA's
 # CPU flash kernel against eager_attention; benchmarks/bench_train.py's attention table): in
 # fp32 eager is 1.04x to 1.25x faster up to 128 keys and between 0.8x and 1.04x beyond, run to
-# run; in bf16 2x to 5x faster up to 256 keys, and at 384 between 0.7x and 1.9x. Each limit is
+# run; in bf16 2x to 5x faster up to 256 keys, and at 384 between 0.7x and 2.3x. Each limit is
 # the longest length at which eager won in every run.
 EAGER_MAX_KEYS = {torch.float32: 128, torch.bfloat16: 256}
 
