@@ -1,6 +1,6 @@
 """Checks of the run config (file and overrides, with the plugins' components) and of what it
-asks of this machine: the device, the precision on it, and the peak FLOP/s that MFU divides by. The config check
-hands the valid config to the checks after it through the context."""
+asks of this machine: the device, the precision on it, and the peak FLOP/s that MFU divides
+by. The config check hands the valid config to the checks after it through the context."""
 
 from __future__ import annotations
 
