@@ -58,7 +58,7 @@ from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed.reduce import agree_on_step
 from forge_lm.metrics.mfu import CPUINFO_PATH, cpu_peak_flops, mfu, parse_cpuinfo, theoretical_cpu_peak
 from forge_lm.model import build_model
-from forge_lm.model.attention import EAGER_MAX_KEYS, eager_attention, uses_eager
+from forge_lm.model.attention import EAGER_MAX_KEYS, attention_mask, eager_attention, uses_eager
 from forge_lm.model.linear import kernel as linear_kernel
 from forge_lm.model.linear import onednn_available
 from forge_lm.model.swiglu import swiglu_hidden
@@ -153,13 +153,13 @@ def attention_kernels(
     (its CPU flash kernel) against :func:`~forge_lm.model.attention.eager_attention` with the
     additive mask, in each dtype; best of ``repeats``. The measurements behind ``"auto"``'s
     choice on CPU (:data:`~forge_lm.model.attention.EAGER_MAX_KEYS`)."""
-    rows = []
+    rows, cpu = [], torch.device("cpu")
     for length in (64, 128, 192, 256, 384):
         batch = max(1, tokens // length)
         documents = torch.arange(length).expand(batch, length) * 3 // length  # three documents per row
-        allowed = (documents[:, :, None] == documents[:, None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
-        allowed = allowed[:, None]
-        bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        # The masks the model builds: SDPA's boolean one and eager attention's additive bias.
+        allowed, _ = attention_mask(documents, 0, length, cpu, "sdpa")
+        bias, _ = attention_mask(documents, 0, length, cpu, "eager")
         for dtype_name in dtypes:
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
             generator = torch.Generator().manual_seed(0)
@@ -181,7 +181,7 @@ def attention_kernels(
                     "sdpa_ms": best["sdpa"] * 1e3,
                     "eager_ms": best["eager"] * 1e3,
                     "x_sdpa": best["sdpa"] / best["eager"],
-                    "auto_picks": "eager" if uses_eager("auto", torch.device("cpu"), length, dtype) else "sdpa",
+                    "auto_picks": "eager" if uses_eager("auto", cpu, length, dtype) else "sdpa",
                 }
             )
     return rows

@@ -15,6 +15,7 @@ from forge_lm.config import load_config
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.model import attention
 from forge_lm.model.attention import (
+    ATTENTION_BACKENDS,
     EAGER_MAX_KEYS,
     Attention,
     attention_mask,
@@ -220,6 +221,13 @@ def test_an_unknown_backend_is_refused_naming_the_choices(manager):
     assert str(info.value) == (
         "[model] attention_backend: must be one of 'auto', 'sdpa', 'flex', 'eager', got 'flash'."
     )
+    # The config's choices are the model's (the schema names them without importing torch).
+    assert ", ".join(repr(backend) for backend in ATTENTION_BACKENDS) in str(info.value)
+    for backend in ATTENTION_BACKENDS:
+        assert (
+            load_config(None, [f"--model.attention_backend={backend}"], manager.registry).model.attention_backend
+            == backend
+        )
 
 
 @pytest.fixture
@@ -303,23 +311,23 @@ def test_eager_decoding_over_a_kv_cache_continues_the_full_forward(make_model):
 
 
 @pytest.mark.parametrize(
-    ("backend", "device", "dtype", "longest_eager"),
+    ("backend", "device", "dtype", "keys", "eager"),
     [
-        ("auto", "cpu", torch.float32, EAGER_MAX_KEYS[torch.float32]),
-        ("auto", "cpu", torch.bfloat16, EAGER_MAX_KEYS[torch.bfloat16]),
-        ("auto", "cpu", torch.float16, EAGER_MAX_KEYS[torch.float32]),  # not measured: fp32's limit
-        ("auto", "cuda", torch.bfloat16, 0),
-        ("sdpa", "cpu", torch.float32, 0),
-        ("flex", "cpu", torch.float32, 0),
-        ("eager", "cuda", torch.float32, 1 << 20),
+        ("auto", "cpu", torch.float32, 128, True),
+        ("auto", "cpu", torch.float32, 129, False),
+        ("auto", "cpu", torch.bfloat16, 256, True),
+        ("auto", "cpu", torch.bfloat16, 257, False),
+        ("auto", "cpu", torch.float16, 128, True),  # not measured: fp32's limit
+        ("auto", "cpu", torch.float16, 129, False),
+        ("auto", "cuda", torch.bfloat16, 1, False),
+        ("sdpa", "cpu", torch.float32, 1, False),
+        ("flex", "cpu", torch.float32, 1, False),
+        ("eager", "cuda", torch.float32, 1 << 20, True),
     ],
 )
-def test_auto_takes_eager_attention_on_cpu_up_to_its_measured_length(backend, device, dtype, longest_eager):
+def test_auto_takes_eager_attention_on_cpu_up_to_its_measured_length(backend, device, dtype, keys, eager):
     assert {torch.float32: 128, torch.bfloat16: 256} == EAGER_MAX_KEYS  # as the README and config help state
-    device = torch.device(device)
-    if longest_eager:
-        assert uses_eager(backend, device, longest_eager, dtype)
-    assert not uses_eager(backend, device, longest_eager + 1, dtype) or backend == "eager"
+    assert uses_eager(backend, torch.device(device), keys, dtype) is eager
 
 
 @pytest.mark.parametrize(("seq", "precision", "eager_calls"), [(128, None, 4), (129, None, 0), (200, "bf16", 4)])
