@@ -159,9 +159,9 @@ def attention_kernels(
         documents = torch.arange(length).expand(batch, length) * 3 // length  # three documents per row
         # The masks the model builds: SDPA's boolean one and eager attention's additive bias.
         allowed, _ = attention_mask(documents, 0, length, cpu, "sdpa")
-        bias, _ = attention_mask(documents, 0, length, cpu, "eager")
         for dtype_name in dtypes:
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+            bias, _ = attention_mask(documents, 0, length, cpu, "eager", dtype)
             generator = torch.Generator().manual_seed(0)
             q, k, v = (
                 torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype).requires_grad_()

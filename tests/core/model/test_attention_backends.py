@@ -290,6 +290,49 @@ def test_eager_bf16_stays_within_a_bf16_rounding_of_sdpa(make_model):
     assert error["eager"] > 0  # it did run in bf16
 
 
+def bf16_attention_inputs(seed: int = 11) -> tuple[torch.Tensor, ...]:
+    """Queries, keys, values and an output gradient ``[2, 4, 96, 32]`` in bf16, and packed
+    documents ``[2, 96]`` (two documents in the first row, one in the second)."""
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v, grad = (torch.randn(2, 4, 96, 32, generator=generator).bfloat16() for _ in range(4))
+    documents = torch.stack([(torch.arange(96) >= 50).long(), torch.zeros(96, dtype=torch.long)])
+    return q, k, v, grad, documents
+
+
+def test_eager_bf16_probabilities_are_the_fp32_softmax_rounded_once():
+    """In bf16 the bias is bf16 and the softmax runs on the bf16 scores: the output is bitwise
+    that of the fp32 softmax of the same scores, rounded to bf16 before the product with v."""
+    q, k, v, _, documents = bf16_attention_inputs()
+    bias, _ = attention_mask(documents, 0, 96, CPU, "eager", torch.bfloat16)
+    assert bias.dtype == torch.bfloat16
+    scores = torch.matmul(q * 32**-0.5, k.transpose(-2, -1))
+    fp32_bias, _ = attention_mask(documents, 0, 96, CPU, "eager", torch.float32)
+    probs = torch.softmax(scores.float() + fp32_bias, dim=-1).bfloat16()
+    assert torch.equal(attention.eager_attention(q, k, v, bias), torch.matmul(probs, v))
+
+
+def test_eager_bf16_gradients_stay_within_a_bf16_rounding_of_sdpa():
+    """Eager attention's backward in bf16 works from the rounded probabilities: against the
+    float64 gradients, each input's gradient may be off by a bf16 rounding more than SDPA's (which
+    keeps fp32 probabilities), not by more."""
+    q, k, v, grad, documents = bf16_attention_inputs()
+    allowed, _ = attention_mask(documents, 0, 96, CPU, "sdpa")
+    bias, _ = attention_mask(documents, 0, 96, CPU, "eager", torch.bfloat16)
+
+    def gradients(kernel, dtype: torch.dtype) -> list[torch.Tensor]:
+        inputs = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
+        kernel(*inputs).backward(grad.to(dtype))
+        return [t.grad.double() for t in inputs]
+
+    expected = gradients(lambda *t: attention.eager_attention(*t, bias.double()), torch.float64)
+    eager = gradients(lambda *t: attention.eager_attention(*t, bias), torch.bfloat16)
+    sdpa = gradients(lambda *t: F.scaled_dot_product_attention(*t, attn_mask=allowed), torch.bfloat16)
+    for name, reference, mine, theirs in zip("qkv", expected, eager, sdpa, strict=True):
+        rounding = torch.finfo(torch.bfloat16).eps * reference.abs().max().item()
+        error, sdpa_error = ((g - reference).abs().max().item() for g in (mine, theirs))
+        assert error <= sdpa_error + rounding, (name, error, sdpa_error, rounding)
+
+
 def test_eager_decoding_over_a_kv_cache_continues_the_full_forward(make_model):
     """A prompt, then several new tokens at once (a [T, start + T] bias), then one token (no
     bias): each step's logits are the full sequence's at those positions."""
