@@ -73,6 +73,8 @@ GROWN = {"4x": (512, 8, 3), "16x": (1024, 16, 6)}
 # Forge on the kernels the plain loop takes (nn.Linear's F.linear, SDPA's attention): the
 # difference left between the two is the framework's own overhead.
 PLAIN_KERNELS = ["--train.cpu_linear_kernel=aten", "--model.attention_backend=sdpa"]
+# Sequence lengths of the attention table: around the CPU limits of "auto"'s eager attention.
+ATTENTION_LENGTHS = (64, 128, 192, 256, 384, 512, 768)
 
 # --------------------------------------------------------------------------------------
 # The machine's matmul peak
@@ -146,7 +148,12 @@ def linear_products(tokens: int, dim_in: int, dim_out: int, repeats: int = 5) ->
 
 
 def attention_kernels(
-    tokens: int, heads: int, head_dim: int, dtypes: tuple[str, ...], repeats: int = 5
+    tokens: int,
+    heads: int,
+    head_dim: int,
+    dtypes: tuple[str, ...],
+    repeats: int = 5,
+    lengths: tuple[int, ...] = ATTENTION_LENGTHS,
 ) -> list[dict[str, Any]]:
     """Forward + backward of one attention layer's core (after the projections) at several
     sequence lengths, ``tokens`` per batch, packed documents: SDPA with its dense boolean mask
@@ -154,7 +161,7 @@ def attention_kernels(
     additive mask, in each dtype; best of ``repeats``. The measurements behind ``"auto"``'s
     choice on CPU (:data:`~forge_lm.model.attention.EAGER_MAX_KEYS`)."""
     rows, cpu = [], torch.device("cpu")
-    for length in (64, 128, 192, 256, 384):
+    for length in lengths:
         batch = max(1, tokens // length)
         documents = torch.arange(length).expand(batch, length) * 3 // length  # three documents per row
         # The masks the model builds: SDPA's boolean one and eager attention's additive bias.

@@ -358,8 +358,8 @@ def test_eager_decoding_over_a_kv_cache_continues_the_full_forward(make_model):
     [
         ("auto", "cpu", torch.float32, 128, True),
         ("auto", "cpu", torch.float32, 129, False),
-        ("auto", "cpu", torch.bfloat16, 256, True),
-        ("auto", "cpu", torch.bfloat16, 257, False),
+        ("auto", "cpu", torch.bfloat16, 512, True),
+        ("auto", "cpu", torch.bfloat16, 513, False),
         ("auto", "cpu", torch.float16, 128, True),  # not measured: fp32's limit
         ("auto", "cpu", torch.float16, 129, False),
         ("auto", "cuda", torch.bfloat16, 1, False),
@@ -369,7 +369,7 @@ def test_eager_decoding_over_a_kv_cache_continues_the_full_forward(make_model):
     ],
 )
 def test_auto_takes_eager_attention_on_cpu_up_to_its_measured_length(backend, device, dtype, keys, eager):
-    assert {torch.float32: 128, torch.bfloat16: 256} == EAGER_MAX_KEYS  # as the README and config help state
+    assert {torch.float32: 128, torch.bfloat16: 512} == EAGER_MAX_KEYS  # as the README and config help state
     assert uses_eager(backend, torch.device(device), keys, dtype) is eager
 
 

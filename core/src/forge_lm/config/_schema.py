@@ -111,7 +111,7 @@ class ModelSection:
             "(F.scaled_dot_product_attention; a dense [B, 1, T, T] mask for packed documents), "
             "'flex' (FlexAttention's block mask; compiled on CUDA; on CPU eager, much slower and without "
             "backward, so evaluation only), 'eager' (written out: one [T, T] score matrix per head, "
-            "for short sequences), 'auto': flex on CUDA; on CPU eager up to 128 keys (256 in bf16), "
+            "for short sequences), 'auto': flex on CUDA; on CPU eager up to 128 keys (512 in bf16), "
             "sdpa beyond. Context parallelism always uses sdpa."
         ),
     )
