@@ -192,6 +192,14 @@ class TrainSection:
             "has it. CUDA, bf16 autocast and tensor-parallel layers always use torch's own."
         ),
     )
+    cpu_keep_freed_memory: bool = attrs.field(
+        default=True,
+        metadata=_doc(
+            "On CPU with glibc, keep freed memory in the process (malloc's mmap and trim thresholds raised), "
+            "so that each step's activations do not page-fault in afresh; the process keeps its peak memory. "
+            "Process-wide, for the rest of the process."
+        ),
+    )
     activation_checkpointing: str = attrs.field(
         default="none",
         validator=one_of("none", "full", "selective"),

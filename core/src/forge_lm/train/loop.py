@@ -68,6 +68,7 @@ from forge_lm.train.builders import (
     build_evaluators,
     build_metrics_backends,
 )
+from forge_lm.train.cpu_memory import keep_freed_memory
 from forge_lm.train.device import autocast_dtype, batch_transfer, resolve_device, seed_everything
 from forge_lm.train.ending import Teardown, collective_timeout, end_run, stop_for_plugin, warn_about_unused_plugins
 from forge_lm.train.evaluate import EvalSets, build_eval_sets
@@ -124,6 +125,7 @@ class _Parts:
     peak_flops: float | None  # of the whole world (one device's times the ranks); None: unknown, no MFU
     peak_source: str | None  # where the peak came from (configured, GPU table, theoretical, measured)
     context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in its sequence-splitting group
+    cpu_memory: str = "not changed: not a CPU run"  # what [train] cpu_keep_freed_memory did (forge_lm.train.cpu_memory)
 
     @property
     def pp_group(self) -> Any:
@@ -140,6 +142,15 @@ def _choose_linear_kernel(kernel: str, device: torch.device) -> None:
         )
 
 
+def _cpu_memory(keep: bool, device: torch.device) -> str:
+    """Keep freed memory in the process for a CPU run (forge_lm.train.cpu_memory); what was done."""
+    if device.type != "cpu":
+        return "not changed: not a CPU run"
+    if not keep:
+        return "not changed: [train] cpu_keep_freed_memory = false"
+    return keep_freed_memory()
+
+
 def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     """Join the process group (under torchrun), then build every component from the registry.
     Raises on any bad config or missing dependency; writes nothing."""
@@ -149,6 +160,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     device = rank_device(resolve_device(config.train.device), launch)
     dtype = autocast_dtype(config.train.precision, device)
     _choose_linear_kernel(config.train.cpu_linear_kernel, device)
+    cpu_memory = _cpu_memory(config.train.cpu_keep_freed_memory, device)
     init_distributed(launch, device, config.distributed.timeout)
     if config.resilience.health_check and launch.world_size > 1:  # a bad rank is named before anything is built
         health = check_health(device)
@@ -235,6 +247,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         flops_per_token=flops,
         **_peak(device, dtype, config.metrics.peak_flops, dims.world_size),
         context_parallel=context_parallel,
+        cpu_memory=cpu_memory,
     )
 
 
@@ -305,6 +318,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
         plugins=manager.manifest(),
         plugins_hash=manager.manifest_hash(),
         cpu_linear_kernel=linear_kernel_in_use(),
+        cpu_memory=parts.cpu_memory,
     )
     checkpoints = CheckpointManager(run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save)
     context = TrainContext(config, run_dir, model, optimizer, parts.scheduler, tokens_per_step=parts.tokens_per_step)
