@@ -15,7 +15,7 @@ from forge_lm.model.flops import active_parameter_count
 from forge_lm.model.init import initialize
 from forge_lm.model.swiglu import SwiGLU
 from forge_lm.testing import parametrize_with_checks
-from forge_moe.experts import capacity, dispatch, expert_swiglu, grouped_mm_works
+from forge_moe.experts import capacity, combine, dispatch, expert_swiglu, grouped_mm_works
 from forge_moe.layer import MoELayer
 from forge_moe.routers import Routing, SoftmaxTopKRouter
 
@@ -88,6 +88,52 @@ def test_packed_kernels_equal_the_loop_over_experts_with_their_gradients(kernel,
         results[name] = [y, xi.grad, *(p.grad for p in layer.parameters())]
     for ours, loop in zip(results[kernel], results["loop"], strict=True):
         torch.testing.assert_close(ours, loop, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+@pytest.mark.parametrize("router", ["softmax", "fixed-with-an-idle-expert"])
+def test_the_fused_expert_loop_is_bitwise_gather_loop_and_combine(capacity_factor, router):
+    """The loop kernel outside autocast runs gather, experts and combine fused, one expert at a
+    time, with its own backward: output and every gradient bitwise those of the three steps run
+    separately through autograd (dropped slots and an expert with no tokens included)."""
+    if router == "softmax":
+        layer = softmax_layer("loop", capacity_factor=capacity_factor).train()
+    else:  # expert 3 of 6 never chosen
+        indices = [[t % 3, 4 + t % 2] for t in range(12)]
+        torch.manual_seed(0)
+        fixed = FixedRouter(indices, 6)
+        layer = MoELayer(DIM, 0, fixed, n_experts=6, top_k=2, expert_hidden=HIDDEN, kernel="loop")
+        layer.capacity_factor = capacity_factor
+        initialize(layer, seed=0, std=0.3, residual_std=0.3)
+        layer.train()
+    x = torch.randn(3, 4, DIM, generator=torch.Generator().manual_seed(1))
+    probe = torch.linspace(-1, 1, x.numel()).view_as(x)
+
+    def separately(leaf: torch.Tensor) -> torch.Tensor:
+        flat = leaf.reshape(-1, DIM)
+        routing = layer.router(leaf)
+        plan = dispatch(routing.indices, 6, layer.capacity(flat.shape[0]))
+        rows = flat.index_select(0, plan.slots // 2)
+        w = layer.experts
+        y = expert_swiglu(rows, plan.counts, w.w1, w.w3, w.w2, "loop")
+        return combine(y, routing.weights, plan.slots, flat.shape[0], 2).view_as(leaf)
+
+    results = {}
+    for name, run in (("fused", layer), ("separately", separately)):
+        layer.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        with collect_aux():
+            out = run(leaf)
+        if name == "fused":
+            assert type(out.grad_fn).__name__ == "ViewBackward0"
+            assert "RoutedLoop" in type(out.grad_fn.next_functions[0][0]).__name__
+        (out * probe).sum().backward()
+        results[name] = [out.detach(), leaf.grad, *(p.grad for p in layer.parameters())]
+    assert len(results["fused"]) == 6  # output, input, router weight, w1, w3, w2
+    for fused, separate in zip(results["fused"], results["separately"], strict=True):
+        assert torch.equal(fused, separate)
+    if router != "softmax":
+        assert not results["fused"][3][3].any()  # the idle expert's gate weights got no gradient
 
 
 def test_grouped_mm_runs_on_cpu_in_fp32_and_bf16():

@@ -94,6 +94,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias
 
 
+def matmul_nt(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """``a @ b_t.T`` for 2-D ``a`` [M, K] and ``b_t`` [N, K] of any strides, on the kernel Forge's
+    linear layers take for these tensors (oneDNN for fp32 on the CPU where it applies), without
+    autograd: the products of a hand-written backward pass (forge-moe's fused expert loop)."""
+    return _onednn_mm(a, b_t) if _takes_onednn(a, b_t) else a @ b_t.t()
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, names, initialisation and layout for tensor parallelism
     and checkpoints) whose fp32 CPU product runs on oneDNN; see the module's docstring."""

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from forge_lm.errors import PluginError
 from forge_lm.losses.aux import report_aux_loss, report_metric
 from forge_lm.model.swiglu import SwiGLU, swiglu_hidden
-from forge_moe.experts import capacity, dispatch, expert_swiglu
+from forge_moe.experts import RoutedTokens, capacity, combine, dispatch, expert_swiglu, routed_experts
 from forge_moe.routers import recomputing
 
 if TYPE_CHECKING:
@@ -54,28 +54,19 @@ class GroupedExperts(nn.Module):
     def per_expert_parameters(self) -> int:
         return sum(w.shape[1] * w.shape[2] for w in (self.w1, self.w3, self.w2))  # global shapes under EP
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, kernel: str, pad_to: int | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, counts: torch.Tensor, kernel: str, pad_to: int | None, route: RoutedTokens | None = None
+    ) -> torch.Tensor:
         """:func:`forge_moe.experts.expert_swiglu` of the experts this module holds: all of them, or
         this rank's slice under expert parallelism (its weights are then DTensors on the ``ep``
-        mesh). Called as a module so that FSDP2 gathers the weights around it."""
+        mesh); ``x`` holds the experts' rows, in expert order. With ``route``, ``x`` holds the
+        layer's tokens instead, and the result is each token's combined output
+        (:func:`forge_moe.experts.routed_experts`). Called as a module so that FSDP2 gathers the
+        weights around it."""
         w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        if route is not None:
+            return routed_experts(x, counts, route, w1, w3, w2, kernel, pad_to=pad_to)
         return expert_swiglu(x, counts, w1, w3, w2, kernel, pad_to=pad_to)
-
-
-def combine(y: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
-    """Each token's output ``[tokens, dim]``: the sum over its kept assignments of the expert's
-    output ``y`` (a row per kept slot, in the order of ``slots``, the flat ``token * top_k + k``
-    positions) times its combine weight (``weights`` ``[tokens, top_k]``).
-
-    One ``index_add`` of the weighted rows into the tokens' rows (its backward a gather), where
-    scattering into a ``[tokens * top_k, dim]`` buffer and summing over ``top_k`` took about 3x
-    as long on CPU (in ``benchmarks/bench_moe.py``'s layer, 0.10 of the layer's time against
-    0.05 now). A token with no kept
-    assignment stays zero. With top-2 the sums are exactly those in ``k`` order (``0 + a + b``
-    equals ``0 + b + a`` in floating point); with more they follow the slots' order, by expert,
-    deterministically on CPU (and on CUDA under ``torch.use_deterministic_algorithms``)."""
-    weighted = y * weights.reshape(-1).index_select(0, slots).unsqueeze(-1).to(y.dtype)
-    return y.new_zeros(tokens, y.shape[-1]).index_add(0, slots // top_k, weighted)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -176,14 +167,16 @@ class MoELayer(nn.Module):
         limit = self.capacity(tokens)
         plan = dispatch(routing.indices, self.n_experts, limit)
         flat = x.reshape(tokens, dim)
-        # index_select and index_copy rather than indexing: their backward passes are a gather
-        # and an index_add, where indexing's are scattered index_put (slow, serial on CPU).
-        rows = flat.index_select(0, plan.slots // self.top_k)
-        if self.expert_parallel is None:
-            y = self.experts(rows, plan.counts, self.kernel, limit)
-        else:  # to the experts' owners and back
+        if self.expert_parallel is None:  # gather, experts and combine in one call (fused where it pays)
+            out = self.experts(
+                flat, plan.counts, self.kernel, limit, RoutedTokens(plan.slots, routing.weights, self.top_k)
+            )
+        else:  # the rows to the experts' owners and back, then combined here
+            # index_select rather than indexing: its backward pass is an index_add, where
+            # indexing's is a scattered index_put (slow, serial on CPU).
+            rows = flat.index_select(0, plan.slots // self.top_k)
             y = self.expert_parallel.run(self.experts, rows, plan.counts, self.kernel, limit)
-        out = combine(y, routing.weights, plan.slots, tokens, self.top_k)
+            out = combine(y, routing.weights, plan.slots, tokens, self.top_k)
         if self.shared is not None:
             out = out + self.shared(flat).to(out.dtype)
         if not recomputing():  # activation checkpointing's replay has reported already
