@@ -222,10 +222,12 @@ class _RoutedLoop(torch.autograd.Function):
         sources, slot_weights = slots // ctx.top_k, weights.reshape(-1).index_select(0, slots)
         grad_tokens = torch.zeros_like(tokens) if need_tokens else None
         grad_slot_weights = weights.new_zeros(weights.numel())  # dropped slots: no gradient
-        grads = [torch.zeros_like(w) for w in (w1, w3, w2)]
+        grads = [torch.empty_like(w) for w in (w1, w3, w2)]  # every expert's slice is written below
         start = 0
         for expert, size in enumerate(ctx.sizes):
-            if size == 0:
+            if size == 0:  # an expert without tokens: no gradient
+                for weight_grad in grads:
+                    weight_grad[expert].zero_()
                 continue
             stop = start + size
             gate, up, y = kept[3 * expert : 3 * expert + 3]
