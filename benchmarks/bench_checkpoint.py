@@ -52,9 +52,7 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="forge-bench-checkpoint-", dir=args.dir))
     try:
-        side = ForgeSide(
-            ["--train.device=cpu", "--train.precision=fp32"], workdir / "run", PluginSettings.from_env(), "default"
-        )
+        side = ForgeSide(["--train.device=cpu", "--train.precision=fp32"], workdir / "run", PluginSettings.from_env())
         side.run(2)  # AdamW's moments exist after a step: the state a checkpoint really holds
         managers = {
             "sync": CheckpointManager(workdir / "sync", keep_last_n=2, async_save=False),

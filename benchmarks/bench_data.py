@@ -118,7 +118,7 @@ def main() -> None:
             ],
         }
         loaders = {name: build_loader(overrides, settings) for name, overrides in datasets.items()}
-        step = ForgeSide(["--train.device=cpu", "--train.precision=fp32"], workdir / "train", settings, "default")
+        step = ForgeSide(["--train.device=cpu", "--train.precision=fp32"], workdir / "train", settings)
         batch_size, seq_len = step.config.train.batch_size, step.config.train.seq_len
         tokens_per_batch = batch_size * seq_len
 

@@ -71,7 +71,7 @@ def side_builders(overrides: dict[str, list[str]], settings: PluginSettings, wor
 
     def builder(label: str, side_overrides: list[str]) -> Callable[[], ForgeSide]:
         def build_side() -> ForgeSide:
-            side = ForgeSide(side_overrides, workdir / label.replace(" ", "-"), settings, "default")
+            side = ForgeSide(side_overrides, workdir / label.replace(" ", "-"), settings)
             side.initial_model = None  # no plain loop here: drop the copy it keeps for one
             return side
 

@@ -282,7 +282,7 @@ def side_builders(
 
     def forge(name: str, extra: list[str]) -> Callable[[], Any]:
         def build_side() -> ForgeSide:
-            side = ForgeSide([*overrides, *extra], workdir / name, settings, "default")
+            side = ForgeSide([*overrides, *extra], workdir / name, settings)
             side.initial_model = None  # ForgeSide's copy for bench_train's plain loop; PlainLoop builds its own
             return side
 

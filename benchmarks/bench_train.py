@@ -21,8 +21,8 @@ after ``--warmup`` rounds; medians of tokens/s over ``--rounds`` rounds are repo
 ratio to the plain loop and the model FLOP/s as a fraction of the machine's measured matmul
 peak (the best of ``torch.mm`` in fp32 and bf16 and ``F.linear`` under bf16 autocast, at a
 few sizes, measured here). Extra rows try
-what could make Forge faster: AdamW's ``foreach`` and ``fused`` implementations (set on the
-built optimizer; Forge's ``adamw`` has no option for them), bf16 autocast
+what could make Forge faster or slower: AdamW's other implementations
+(``[optimizer] implementation``; Forge's default is torch's fused kernel), bf16 autocast
 (``train.precision``), attention without the per-document mask, and with ``--compile``
 ``torch.compile`` (``train.compile``; about a minute of compilation per model on a small CPU,
 so not in the default run).
@@ -232,7 +232,7 @@ def _linear_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class ForgeSide:
     """The default run's components, built by ``forge_lm.train``'s builders, ready to step."""
 
-    def __init__(self, overrides: list[str], workdir: Path, settings: PluginSettings, optimizer_impl: str) -> None:
+    def __init__(self, overrides: list[str], workdir: Path, settings: PluginSettings) -> None:
         self.manager = manager = PluginManager(settings)
         registry = manager.registry
         self.config = config = load_config(None, [*overrides, f"--train.output_dir={workdir}"], registry)
@@ -240,9 +240,6 @@ class ForgeSide:
         self.parts = parts = loop._build(config, manager)  # exactly what forge train builds
         self.device, self.dtype = parts.device, parts.dtype
         self.model, self.optimizer, self.scheduler = parts.model, parts.optimizer, parts.scheduler
-        if optimizer_impl != "default":  # what an option of Forge's adamw could set
-            for group in self.optimizer.param_groups:
-                group[optimizer_impl] = True
         self.vocab_size = loop._vocab_size(config, config.tokenizer.build())
         # The plain loop's copy: same class, same weights, never compiled.
         self.initial_model = build_model(config.model, self.vocab_size, registry).to(self.device)
@@ -497,8 +494,8 @@ def main() -> None:
             "linear": linear, "flops": flops if flops is not None else side.step_flops,
         }  # fmt: skip
 
-    def forge(tag: str, overrides: list[str], impl: str = "default") -> ForgeSide:
-        return ForgeSide([*base, *overrides], workdir / tag, settings, impl)
+    def forge(tag: str, overrides: list[str]) -> ForgeSide:
+        return ForgeSide([*base, *overrides], workdir / tag, settings)
 
     onednn = "oneDNN fp32 (forge_lm.model.linear)" if onednn_available() else "torch (no oneDNN in this build)"
     mkl = "F.linear (torch.mm's BLAS: MKL sgemm)"
@@ -510,9 +507,10 @@ def main() -> None:
     blocks = args.warmup + args.rounds
     batches = fp32.fresh_batches(blocks * args.steps)
     default_adamw = "for-loop" if fp32.device.type == "cpu" else "foreach"  # what torch picks when not told
+    forge_adamw = "fused" if fp32.optimizer.param_groups[0].get("fused") else default_adamw
     add(
         "forge fp32", fp32, args.steps, "forge", "fp32", "plain fp32",
-        f"`forge train` defaults; AdamW as torch picks it ({default_adamw})", onednn,
+        f"`forge train` defaults; AdamW {forge_adamw} (Forge's implementation = \"auto\")", onednn,
     )  # fmt: skip
     add(
         "plain fp32", PlainSide(fp32, batches), args.steps, "plain", "fp32", "plain fp32",
@@ -527,11 +525,11 @@ def main() -> None:
             "forge train() fp32", None, args.steps, "forge train()", "fp32", "plain fp32",
             "forge_lm.train.train(): a fresh run per round, its own logged tokens/s", onednn, fp32.step_flops,
         )  # fmt: skip
-    for impl in ("foreach", "fused"):
+    for impl in ("foreach", "for-loop"):
         add(
             f"forge fp32 AdamW {impl}",
-            forge(f"fp32-{impl}", ["--train.precision=fp32"], impl),
-            args.steps, "forge", "fp32", "plain fp32", f"AdamW {impl}=True on the built optimizer", onednn,
+            forge(f"fp32-{impl}", ["--train.precision=fp32", f"--optimizer.implementation={impl}"]),
+            args.steps, "forge", "fp32", "plain fp32", f"[optimizer] implementation = \"{impl}\"", onednn,
         )  # fmt: skip
     add(
         "plain fp32 AdamW fused", PlainSide(fp32, batches, "fused"), args.steps, "plain", "fp32", "plain fp32",

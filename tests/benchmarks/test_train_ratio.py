@@ -44,8 +44,8 @@ def _measure(tmp_path_factory) -> dict[str, float]:
     workdir = tmp_path_factory.mktemp("ratio")
     settings = PluginSettings(autoload=False)
     base = ["--train.device=cpu", "--train.precision=fp32"]
-    forge = bench_train.ForgeSide(base, workdir / "default", settings, "default")
-    aten = bench_train.ForgeSide([*base, *bench_train.PLAIN_KERNELS], workdir / "aten", settings, "default")
+    forge = bench_train.ForgeSide(base, workdir / "default", settings)
+    aten = bench_train.ForgeSide([*base, *bench_train.PLAIN_KERNELS], workdir / "aten", settings)
     plain = bench_train.PlainSide(forge, forge.fresh_batches(8))
     with bench_train.quiet():
         samples = record.alternate(

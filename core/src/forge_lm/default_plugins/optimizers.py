@@ -14,9 +14,12 @@ import attrs
 from forge_lm.components import LearningRateOptions
 from forge_lm.errors import ConfigError
 from forge_lm.hookspecs import hookimpl
-from forge_lm.validators import FieldError, non_negative, positive
+from forge_lm.validators import FieldError, non_negative, one_of, positive
 
 FORGE_LM_PLUGIN_API = ">=1,<2"
+
+# AdamW's update kernels in torch (its ``fused`` and ``foreach`` flags), and "auto".
+ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 
 
 def _momentum_betas(instance: Any, attribute: Any, value: tuple[float, float]) -> None:
@@ -39,6 +42,9 @@ class AdamWOptions(LearningRateOptions):
     eps: float = attrs.field(default=1e-8, validator=positive)
     weight_decay: float = attrs.field(default=0.1, validator=non_negative)
     decay_embeddings: bool = False  # by default embeddings, like norms and biases, are not decayed
+    # torch's update kernel: "auto" is "fused" where torch has one for the parameters' device
+    # (CPU, CUDA), else torch's own choice (forge_lm.optim.adamw.implementation_flags).
+    implementation: str = attrs.field(default="auto", validator=one_of(*ADAMW_IMPLEMENTATIONS))
 
 
 @attrs.define
