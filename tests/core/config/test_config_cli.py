@@ -81,6 +81,7 @@ def test_show_prints_toml_with_the_file_and_the_override_applied(forge_cli, writ
         "eps": 1e-8,
         "weight_decay": 0.1,
         "decay_embeddings": False,
+        "implementation": "auto",
     }
 
 

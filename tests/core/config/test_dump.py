@@ -203,4 +203,5 @@ def test_a_component_selected_by_qualified_name_dumps_that_name(load):
         "eps": 1e-8,
         "weight_decay": 0.1,
         "decay_embeddings": False,
+        "implementation": "auto",
     }

@@ -76,7 +76,7 @@ def test_an_unknown_top_level_value_is_an_unknown_section(error):
 def test_an_unknown_key_in_a_component_section_names_the_component_and_its_keys(error):
     assert error("[optimizer]\nlrr = 1e-3\n") == (
         "[optimizer] lrr: unknown key for optimizer 'adamw'. Did you mean 'lr'? "
-        "Valid keys: 'betas', 'decay_embeddings', 'eps', 'lr', 'weight_decay'."
+        "Valid keys: 'betas', 'decay_embeddings', 'eps', 'implementation', 'lr', 'weight_decay'."
     )
 
 
