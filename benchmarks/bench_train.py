@@ -674,7 +674,8 @@ def main() -> None:
         "bf16, as at this model's sequence length; the attention table), the plain loop's "
         "`F.scaled_dot_product_attention`, as a hand-written model calls it.",
         "Memory: Forge's CPU runs keep freed memory in the process "
-        f"(forge_lm.train.cpu_memory: {fp32.parts.cpu_memory}); the setting is process-wide, so the plain loop's rows, run in the same process, have it too.",
+        f"(forge_lm.train.cpu_memory: {fp32.parts.cpu_memory}); the setting is process-wide, so the plain "
+        "loop's rows, run in the same process, have it too.",
         "Same work: first step from the same weights and batch, " + ("; ".join(same) or "not checked") + " "
         "(Forge's oneDNN products and the plain loop's MKL ones differ in the last bits).",
     ]  # fmt: skip
