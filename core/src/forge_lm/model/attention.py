@@ -161,10 +161,11 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "eager")
 # The longest key length at which "auto" picks eager attention on CPU, per compute dtype.
 # Measured on the AMD EPYC development machine (forward + backward with a document mask, SDPA's
 # CPU flash kernel against eager_attention; benchmarks/bench_train.py's attention table): in
-# fp32 eager is 1.04x to 1.25x faster up to 128 keys and between 0.8x and 1.04x beyond, run to
-# run; in bf16 (scores kept in bf16, see eager_attention) 2x to 5x faster up to 384 keys, 1.3x
-# to 2.8x at 512, and at 768 between 0.9x and 2.2x. Each limit is the longest length at which
-# eager won in every run. Eager attention keeps every head's [T, S] probabilities for the
+# fp32 eager is 0.96x to 1.25x as fast up to 128 keys (even, within the machine's noise) and
+# between 0.8x and 1.19x beyond, run to run; in bf16 (scores kept in bf16, see eager_attention)
+# 2x to 5x faster up to 384 keys, 1.3x to 2.9x at 512, and at 768 between 0.9x and 2.5x. The
+# bf16 limit is the longest length at which eager won in every run; the fp32 one, where it won
+# in all but one. Eager attention keeps every head's [T, S] probabilities for the
 # backward pass, which SDPA's kernel does not: memory that grows with the square of the length.
 EAGER_MAX_KEYS = {torch.float32: 128, torch.bfloat16: 512}
 
