@@ -7,9 +7,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from forge_lm.optim.param_groups import weight_decay_groups
+
+try:  # torch's own list (private): the devices its fused optimizer kernels run on
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+except ImportError:  # a torch without it: the two devices torch has had fused AdamW for since 2.4
+
+    def _get_fused_kernels_supported_devices() -> list[str]:
+        return ["cpu", "cuda"]
 
 
 def build_adamw(options: Any, model: nn.Module) -> torch.optim.Optimizer:
