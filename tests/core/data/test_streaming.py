@@ -445,3 +445,50 @@ def test_two_rank_training_resumes_bit_for_bit_from_a_checkpoint_holding_both_ra
     assert "resumed from" in done.stderr
     assert sorted(_losses(resumed)) == list(range(1, 11))
     assert _losses(resumed) == _losses(straight)
+
+
+def test_a_loader_reading_ahead_gathers_the_ranks_positions_only_for_a_checkpoint(corpus, tmp_path):
+    """Reading ahead (the loader's CUDA behaviour, on 2 CPU ranks here) notes this rank's position
+    at each batch without a collective; ``state_dict()`` gathers once, and gives what a loader
+    reading in the training thread gives, and the batch read ahead is read again after it."""
+    worker = Path(__file__).parent / "workers" / "read_ahead_worker.py"
+    done = torchrun([str(worker), str(corpus), str(tmp_path)], nproc=2, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["gathers_while_reading"] == 0  # was one all_gather_object per batch
+        assert (result["ahead_gathers_in_state_dict"], result["here_gathers_in_state_dict"]) == (1, 1)
+        assert result["ahead_state"] == result["here_state"]
+        assert [entry["dp_rank"] for entry in result["ahead_state"]["dataset"]["ranks"]] == [0, 1]
+        assert result["ahead_state"]["batches"] == 6
+        assert result["same_batches"]
+
+
+def test_a_mixture_notes_its_streaming_sources_locally(corpus, build_dataset, byte_context, take, monkeypatch):
+    """In one process: a loader reading ahead over a mixture with a streaming source never asks
+    for the full state per batch, and its state and batches are those of a loader without."""
+    from forge_lm.data import streaming
+    from forge_lm.data.loader import BatchLoader
+
+    gathered = []
+    gather = streaming.gather_ranks
+    monkeypatch.setattr(streaming, "gather_ranks", lambda *args: gathered.append(1) or gather(*args))
+    mixture = {"sources": [{"name": "hf_text", **table(corpus, shuffle_buffer=8)}, {"name": "synthetic"}]}
+    ahead = BatchLoader(build_dataset("mixture", mixture, byte_context()), 4, 257, read_ahead=True)
+    here = BatchLoader(build_dataset("mixture", mixture, byte_context()), 4, 257)
+    ahead_batches, here_batches = iter(ahead), iter(here)
+    first = [next(ahead_batches) for _ in range(7)], [next(here_batches) for _ in range(7)]
+    assert gathered == []
+    assert plain_round_trip(ahead.state_dict()) == plain_round_trip(here.state_dict())
+    assert len(gathered) == 2  # one state_dict() each
+    after = [next(ahead_batches) for _ in range(5)], [next(here_batches) for _ in range(5)]
+    for mine, theirs in (first, after):
+        assert ids(mine_sample for batch in mine for mine_sample in _rows(batch)) == ids(
+            sample for batch in theirs for sample in _rows(batch)
+        )
+    ahead.close()
+
+
+def _rows(batch: dict) -> list[dict]:
+    """A batch's samples, one dict of tensors per row."""
+    return [{key: value[row] for key, value in batch.items()} for row in range(len(batch["input_ids"]))]

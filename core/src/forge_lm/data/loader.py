@@ -8,10 +8,15 @@ page-locked memory, from which the ``non_blocking`` copy to the GPU runs asynchr
 saved state still describes the batches handed out, not the one read ahead: the thread reads
 only between two hand-outs, so the dataset is touched by one thread at a time, and at each
 hand-out the loader notes the dataset's state (then the position after the batch handed out)
-before letting the thread read on. The dataset's ``state_dict`` is therefore called in the
-training thread, once per batch, and its iterator runs in the background thread: it must draw
-its randomness from its own generators, as the built-in datasets do, not from the global ones
-that training also uses.
+before letting the thread read on. That note is taken in the training thread, once per batch,
+and the dataset's iterator runs in the background thread: it must draw its randomness from its
+own generators, as the built-in datasets do, not from the global ones that training also uses.
+The note is the dataset's ``local_state_dict()`` where it has one (:func:`local_state`): this
+rank's position alone, for a dataset whose ``state_dict()`` gathers every data-parallel rank's
+position (a collective, such as the streaming ``hf_text``'s), which would otherwise run once per
+batch. The full state is then built when it is asked for (a checkpoint): the reader stops, the
+dataset goes back to the noted position and gives its ``state_dict()``, and the batch that was
+read ahead is read again after it.
 
 Given the model's ``vocab_size``, the loader checks every batch before the model sees it:
 token ids must be integers the embedding holds (labels may also be the ignore index), whatever
@@ -92,8 +97,12 @@ class BatchLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed out (a batch read ahead is not counted)."""
-        if self._reader is not None and self._reader.handed_out is not None:
-            return copy.deepcopy(self._reader.handed_out)
+        reader = self._reader
+        if reader is not None and reader.handed_out is not None:
+            if not reader.noted_locally:
+                return copy.deepcopy(reader.handed_out)
+            # A local note: back to it, for the dataset's full state (the module docstring).
+            reader.stop(rewind=True)
         return {"dataset": self.dataset.state_dict(), "batches": self.batches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -110,6 +119,17 @@ class BatchLoader:
             reader.close()
 
 
+def local_state(dataset: Any) -> tuple[Any, bool]:
+    """``(state, local)``: the dataset's ``local_state_dict()`` (``local`` True) where it has one,
+    else its ``state_dict()``. A dataset whose ``state_dict()`` talks to other ranks offers
+    ``local_state_dict()``: this rank's position without any collective, which its
+    ``load_state_dict`` restores on the same rank."""
+    local = getattr(dataset, "local_state_dict", None)
+    if callable(local):
+        return local(), True
+    return dataset.state_dict(), False
+
+
 _STOP = 0  # a request to the reader thread: the number of the batch to read, or this
 
 
@@ -123,8 +143,10 @@ class _ReadAhead:
         self._requests: queue.Queue[int] = queue.Queue()
         self._results: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._finished = False
-        # The loader's state after the last batch handed out, noted while the thread waited.
+        # The loader's state after the last batch handed out, noted while the thread waited, and
+        # whether its dataset part is the dataset's local_state_dict() (see local_state).
         self.handed_out: dict[str, Any] | None = None
+        self.noted_locally = False
 
     def __iter__(self) -> _ReadAhead:
         return self
@@ -143,7 +165,7 @@ class _ReadAhead:
         if kind == "batch":
             loader.batches += 1
         # The thread waits for the next request: the dataset stands right after what was handed out.
-        self.handed_out = {"dataset": copy.deepcopy(loader.dataset.state_dict()), "batches": loader.batches}
+        self._note()
         if kind == "end":
             self._finished = True
             self._join()
@@ -151,9 +173,14 @@ class _ReadAhead:
         self._requests.put(loader.batches + 1)  # the next batch is read while this one is used
         return value
 
+    def _note(self) -> None:
+        """Note the loader's position while the thread waits (the dataset is not being read)."""
+        state, self.noted_locally = local_state(self._loader.dataset)
+        self.handed_out = {"dataset": copy.deepcopy(state), "batches": self._loader.batches}
+
     def _start(self) -> None:
         loader = self._loader
-        self.handed_out = {"dataset": copy.deepcopy(loader.dataset.state_dict()), "batches": loader.batches}
+        self._note()
         # Pinned memory is allocated through the current GPU's context; a new thread's current
         # GPU is GPU 0, so without this every rank of a node would open a context there.
         device = torch.cuda.current_device() if loader.pin_memory and torch.cuda.is_available() else None

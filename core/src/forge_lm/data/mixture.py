@@ -26,6 +26,7 @@ import torch
 
 from forge_lm.components import DataContext
 from forge_lm.data._random import uniform
+from forge_lm.data.loader import local_state
 from forge_lm.errors import ConfigError, ForgeError
 
 _SALT = 0x6D6978  # keeps the mixture's draws apart from other users of the same seed
@@ -77,6 +78,10 @@ class Mixture:
 
     def state_dict(self) -> dict[str, Any]:
         return {"drawn": self._drawn, "sources": [source.state_dict() for source in self.sources]}
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """The sources' local states where they have them (see forge_lm.data.loader.local_state)."""
+        return {"drawn": self._drawn, "sources": [local_state(source)[0] for source in self.sources]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state["sources"]

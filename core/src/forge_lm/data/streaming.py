@@ -269,12 +269,21 @@ class StreamingTextDataset:
         return dict(zip(_RANK_KEYS, values, strict=True))
 
     def state_dict(self) -> dict[str, Any]:
+        """Every data-parallel rank's position (gathered: a collective on several ranks)."""
+        return self._state(gather_ranks(self._own_state(), self.context.dp_size))
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's position alone, without a collective (what a loader reading ahead notes
+        per batch); :meth:`load_state_dict` restores it on this rank."""
+        return self._state([self._own_state()])
+
+    def _state(self, ranks: list[dict[str, int]]) -> dict[str, Any]:
         return {
             "streaming": self.fingerprint,
             "dp_size": self.context.dp_size,
             "block_size": self.block_size,
             "seq_len": self.context.seq_len,
-            "ranks": gather_ranks(self._own_state(), self.context.dp_size),
+            "ranks": ranks,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
