@@ -177,8 +177,21 @@ def test_dataset_ignoring_its_state_fails_the_round_trip(manager):
     _with_plugin(manager, "datasets", "no_resume", lambda options, context: _NoResume(context))
     message = _failure(manager, "datasets", "no_resume", "state_round_trip_restores_the_next_sample")
     assert message.startswith(
-        "dataset 'no_resume': after load_state_dict the dataset does not continue where the state was taken "
-        "(sample 0 differs after 3 samples were taken)"
+        "dataset 'no_resume': after load_state_dict of its state_dict() the dataset does not continue where the "
+        "state was taken (sample 0 differs after 3 samples were taken)"
+    )
+
+
+class _StaleLocalState(SyntheticTokens):
+    def local_state_dict(self):
+        return {**self.state_dict(), **SyntheticTokens(self.context).state_dict()}  # the start, not the position
+
+
+def test_dataset_whose_local_state_loses_the_position_fails_the_round_trip(manager):
+    _with_plugin(manager, "datasets", "stale_local", lambda options, context: _StaleLocalState(context))
+    message = _failure(manager, "datasets", "stale_local", "state_round_trip_restores_the_next_sample")
+    assert message.startswith(
+        "dataset 'stale_local': after load_state_dict of its local_state_dict() the dataset does not continue"
     )
 
 

@@ -80,20 +80,26 @@ def check_is_reproducible(subject: Subject) -> None:
 
 @category_check("datasets")
 def check_state_round_trip_restores_the_next_sample(subject: Subject) -> None:
+    """``state_dict()`` and, where the dataset has one, ``local_state_dict()`` (what a loader
+    reading ahead notes per batch; see ``forge_lm.data.loader.local_state``)."""
     context = _context(subject)
-    dataset = subject.build(context)
-    iterator = iter(dataset)
-    _ = [next(iterator) for _ in range(3)]
-    state = plain_round_trip(dataset.state_dict())
-    expected = [next(iterator) for _ in range(4)]
-    resumed = subject.build(context)
-    resumed.load_state_dict(state)
-    got = _take(resumed, 4)
-    assert _same(got, expected), (
-        f"{subject.label}: after load_state_dict the dataset does not continue where the state was taken "
-        f"({_first_difference(got, expected)} after 3 samples were taken); the kit expects the next 4 samples "
-        "identical"
-    )
+    takers = [("state_dict", lambda dataset: dataset.state_dict())]
+    if callable(getattr(subject.build(context), "local_state_dict", None)):
+        takers.append(("local_state_dict", lambda dataset: dataset.local_state_dict()))
+    for method, take_state in takers:
+        dataset = subject.build(context)
+        iterator = iter(dataset)
+        _ = [next(iterator) for _ in range(3)]
+        state = plain_round_trip(take_state(dataset))
+        expected = [next(iterator) for _ in range(4)]
+        resumed = subject.build(context)
+        resumed.load_state_dict(state)
+        got = _take(resumed, 4)
+        assert _same(got, expected), (
+            f"{subject.label}: after load_state_dict of its {method}() the dataset does not continue where the "
+            f"state was taken ({_first_difference(got, expected)} after 3 samples were taken); the kit expects "
+            "the next 4 samples identical"
+        )
 
 
 @category_check("datasets")
