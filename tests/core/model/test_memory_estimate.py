@@ -230,6 +230,50 @@ def test_the_estimate_of_the_default_run_on_cpu_is_the_formula(manager):
     assert (estimate.optimizer, estimate.states, estimate.shards) == ("adamw", 2.0, 1)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "device", "autocast", "per_token"),
+    [
+        ((), "cpu", None, 4 * 128 * 4),  # auto on CPU at 128 tokens: eager, fp32 probabilities
+        ((), "cpu", torch.bfloat16, 4 * 128 * 2),  # bf16 probabilities
+        (("--train.seq_len=256", "--model.max_seq_len=256"), "cpu", None, 0),  # beyond fp32's eager limit: SDPA
+        (("--train.seq_len=256", "--model.max_seq_len=256"), "cpu", torch.bfloat16, 4 * 256 * 2),
+        (("--model.attention_backend=sdpa",), "cpu", None, 0),
+        ((), "cuda", torch.bfloat16, 0),  # auto on CUDA: FlexAttention
+        ((), None, None, 0),  # device unknown: not counted
+    ],
+)
+def test_eager_attention_adds_its_probabilities_per_block(manager, overrides, device, autocast, per_token):
+    """Eager attention keeps every head's [T, T] probabilities for backward: heads * seq_len
+    values per token and block, in the compute dtype, on top of the rest of the block's."""
+    config = config_of(manager, *overrides)
+    where = torch.device(device) if device else None
+    with_device = estimate_memory(config, BYTES, manager.registry, ParallelDims(), autocast, where)
+    without = estimate_memory(config, BYTES, manager.registry, ParallelDims(), autocast)
+    tokens = 16 * config.train.seq_len
+    assert with_device.activations - without.activations == tokens * 4 * per_token  # 4 blocks
+
+
+def test_eager_attention_memory_is_what_backward_keeps():
+    """The per-token figure against autograd: the tensors eager attention saves for backward,
+    beyond SDPA's, are one [B, H, T, T] tensor in the compute dtype."""
+    from forge_lm.model.attention import attention_mask, eager_attention
+
+    saved: list[torch.Tensor] = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    q, k, v = (torch.randn(2, 4, 32, 8, requires_grad=True) for _ in range(3))
+    bias, _ = attention_mask(None, 0, 32, torch.device("cpu"), "eager")
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        eager_attention(q, k, v, bias)
+    square = [t for t in saved if t.shape[-2:] == (32, 32) and t.shape[0] == 2]
+    distinct = {t.untyped_storage().data_ptr() for t in square}
+    assert len(distinct) == 1  # the probabilities, saved by softmax and by the product with v
+    assert square[0].shape == (2, 4, 32, 32)
+
+
 def test_sharding_divides_weights_gradients_and_optimizer_state_and_tp_divides_activations(manager):
     config = config_of(manager, "--optimizer.name=lion", "--model.tie_embeddings=false", "--train.grad_accum_steps=8")
     one = estimate_memory(config, BYTES, manager.registry, ParallelDims(), None)
@@ -335,9 +379,9 @@ def test_a_run_that_cannot_fit_is_refused_with_the_estimate_and_the_limit(manage
 
     assert agreed == [True]  # every rank is told
     assert str(refused.value).startswith(
-        "the run needs about 228 MB of memory per rank, more than the 100 MB of available memory on this host: "
+        "the run needs about 244 MB of memory per rank, more than the 100 MB of available memory on this host: "
         "3.28M parameters; weights 14.2 MB, gradients 13.1 MB, optimizer state 26.2 MB (adamw: 2 per parameter), "
-        "activations 174 MB. Make the model smaller"
+        "activations 191 MB. Make the model smaller"
     )
     assert str(refused.value).endswith("[train] memory_check = false starts it anyway.")
 
@@ -361,10 +405,10 @@ def test_another_ranks_refusal_stops_this_rank_too(manager, monkeypatch):
 def test_validation_reports_the_estimate_and_refuses_what_train_would(manager, monkeypatch):
     monkeypatch.setattr(memory, "host_available_memory", lambda: 24_600_000_000)
     assert validation_report(config_of(manager, "--train.device=cpu"), manager.registry) == (
-        "estimate: 3.28M parameters; about 228 MB per rank (weights 14.2 MB, gradients 13.1 MB, optimizer state "
-        "26.2 MB (adamw: 2 per parameter), activations 174 MB); 24.6 GB of available memory on this host."
+        "estimate: 3.28M parameters; about 244 MB per rank (weights 14.2 MB, gradients 13.1 MB, optimizer state "
+        "26.2 MB (adamw: 2 per parameter), activations 191 MB); 24.6 GB of available memory on this host."
     )
-    with pytest.raises(ConfigError, match=r"^the run needs at least 54\.8 PB of memory per rank"):
+    with pytest.raises(ConfigError, match=r"^the run needs at least 59 PB of memory per rank"):
         validation_report(config_of(manager, "--train.device=cpu", "--model.n_layers=1000000000"), manager.registry)
     unchecked = config_of(manager, "--train.device=cpu", "--model.n_layers=1000000000", "--train.memory_check=false")
     assert validation_report(unchecked, manager.registry).endswith(

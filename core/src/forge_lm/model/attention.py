@@ -166,7 +166,8 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "eager")
 # 2x to 5x faster up to 384 keys, 1.3x to 2.9x at 512, and at 768 between 0.9x and 2.5x. The
 # bf16 limit is the longest length at which eager won in every run; the fp32 one, where it won
 # in all but one. Eager attention keeps every head's [T, S] probabilities for the
-# backward pass, which SDPA's kernel does not: memory that grows with the square of the length.
+# backward pass, which SDPA's kernel does not: memory that grows with the square of the length
+# (forge_lm.model.memory.eager_attention_bytes_per_token counts it).
 EAGER_MAX_KEYS = {torch.float32: 128, torch.bfloat16: 512}
 
 

@@ -25,6 +25,9 @@ The estimate, per rank:
   tokens), :func:`activation_bytes_per_token` per block (measured on the built-in model: about
   22 fp32 values per token and unit of ``dim``), divided by ``tp``, times the blocks a rank
   holds and the micro-batches in flight on a pipeline stage; plus the logits and their gradient.
+  Where attention runs eagerly on the run's device (``forge_lm.model.attention.uses_eager``: on
+  CPU the ``auto`` backend at short lengths), each block also keeps its heads' ``[T, T]``
+  probabilities for backward: ``heads * seq_len`` values per token, in the compute dtype.
   Activation checkpointing keeps the block inputs and one block's activations.
 
 The limit (:func:`memory_limit`): on CUDA the device's free memory (``torch.cuda.mem_get_info``);
@@ -45,6 +48,7 @@ import torch
 
 from forge_lm.config import ForgeConfig, ModelSection
 from forge_lm.errors import ConfigError, ForgeError, PluginError
+from forge_lm.model.attention import uses_eager
 
 if TYPE_CHECKING:
     from forge_lm.distributed.mesh import ParallelDims
@@ -222,12 +226,29 @@ def activation_bytes_per_token(model: ModelSection, autocast: torch.dtype | None
     return model.dim * (16 * element + 16)
 
 
+def eager_attention_bytes_per_token(
+    config: ForgeConfig, device: torch.device | None, dims: ParallelDims, autocast: torch.dtype | None
+) -> int:
+    """What one block keeps per token when its attention is eager (:func:`forge_lm.model.attention.uses_eager`
+    on ``device``; context parallelism always takes SDPA): every head's probabilities over the
+    ``seq_len`` keys, in the compute dtype. 0 otherwise, or when the device is not known."""
+    dtype = autocast or torch.float32
+    if (
+        device is None
+        or dims.cp > 1
+        or not uses_eager(config.model.attention_backend, device, config.train.seq_len, dtype)
+    ):
+        return 0
+    return config.model.n_heads * config.train.seq_len * torch.finfo(dtype).bits // 8
+
+
 def estimate_memory(
     config: ForgeConfig,
     vocab_size: int,
     registry: Any,
     dims: ParallelDims,
     autocast: torch.dtype | None,
+    device: torch.device | None = None,
 ) -> MemoryEstimate:
     """The per-rank estimate of the run ``config`` on the layout ``dims``: from the parameters
     counted on the meta device, or from the lower bound (``count.exact`` False) where the model
@@ -240,7 +261,7 @@ def estimate_memory(
         raise
     except Exception:  # noqa: BLE001 - whatever stops the meta build, the lower bound still holds
         count = lower_bound(config.model, vocab_size)
-    return _estimate(config, vocab_size, count, component.name, states, dims, autocast)
+    return _estimate(config, vocab_size, count, component.name, states, dims, autocast, device)
 
 
 def _estimate(
@@ -251,12 +272,15 @@ def _estimate(
     states: float,
     dims: ParallelDims,
     autocast: torch.dtype | None,
+    device: torch.device | None = None,
 ) -> MemoryEstimate:
     model, train = config.model, config.train
     shards = dims.dp_shard * dims.cp * dims.tp * dims.pp  # FSDP2 shards over dp_shard x cp
     sharded = count.parameter_bytes / shards
     tokens = train.batch_size * train.seq_len // dims.cp  # one micro-batch; a cp rank holds 1 / cp of it
-    per_block = activation_bytes_per_token(model, autocast) / dims.tp
+    per_block = (
+        activation_bytes_per_token(model, autocast) + eager_attention_bytes_per_token(config, device, dims, autocast)
+    ) / dims.tp
     blocks = math.ceil(model.n_layers / dims.pp)
     if train.activation_checkpointing == "full":  # block inputs (fp32 residual stream), one block recomputed
         kept = blocks * model.dim * 4 / dims.tp + per_block
@@ -367,7 +391,7 @@ def check_memory(
     if not config.train.memory_check:
         return None
     limit = memory_limit(device, processes_on_host=processes_on_host(device))
-    estimate = estimate_memory(config, vocab_size, registry, dims, autocast)
+    estimate = estimate_memory(config, vocab_size, registry, dims, autocast, device)
     too_big = limit is not None and estimate.total > limit.bytes
     if agree(too_big):
         raise ConfigError(

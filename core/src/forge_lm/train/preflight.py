@@ -48,11 +48,12 @@ def validation_report(config: ForgeConfig, registry: Any) -> str:
         device = resolve_device(config.train.device)
     except ConfigError as exc:  # the config may be meant for another machine
         meant = torch.device("cuda" if config.train.device.startswith("cuda") else "cpu")
-        estimate = estimate_memory(config, vocab_size, registry, dims, autocast_dtype(config.train.precision, meant))
+        autocast = autocast_dtype(config.train.precision, meant)
+        estimate = estimate_memory(config, vocab_size, registry, dims, autocast, meant)
         return f"estimate: {estimate.describe()}; not checked against a device here: {exc}"
     autocast = autocast_dtype(config.train.precision, device)
     limit = memory_limit(device, processes_on_host=processes_on_host(device))
-    estimate = estimate_memory(config, vocab_size, registry, dims, autocast)
+    estimate = estimate_memory(config, vocab_size, registry, dims, autocast, device)
     if limit is None:
         return f"estimate: {estimate.describe()}; the memory of {device} is unknown here."
     if estimate.total > limit.bytes:
