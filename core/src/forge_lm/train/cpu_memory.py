@@ -4,8 +4,9 @@ PyTorch's CPU tensors come from the C library's ``malloc``. glibc's ``malloc`` r
 block (above a threshold it adapts, from 128 KiB up to 32 MiB) to the kernel when it is freed,
 and it trims the free top of its heap once that exceeds twice the threshold. A training step
 frees its activations at the end of the backward pass and allocates them again in the next
-forward, so every step receives fresh pages from the kernel, which faults each of them in and
-zeroes it: on ``benchmarks/bench_train.py``'s 16x model, 69,000 to 173,000 page faults per step,
+forward, so a step can receive fresh pages from the kernel, which faults each of them in and
+zeroes it (whether it does depends on what else sits on the heap when the activations are
+freed): on ``benchmarks/bench_train.py``'s 16x model, 69,000 to 173,000 page faults per step,
 and about 1,000 with freed memory kept. This is the problem that ``LD_PRELOAD``-ing jemalloc or
 tcmalloc solves for CPU training; glibc can be told the same at run time with ``mallopt``:
 
