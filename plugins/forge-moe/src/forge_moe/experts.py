@@ -127,131 +127,6 @@ def _loop_swiglu(x, counts, w1, w3, w2, pad_to):
 _KERNEL_FUNCTIONS = {"grouped_mm": _grouped_swiglu, "padded": _padded_swiglu, "loop": _loop_swiglu}
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
-    """Each token's output ``[tokens, dim]``: the sum over its kept assignments of the expert's
-    output ``y`` (a row per kept slot, in the order of ``slots``, the flat ``token * top_k + k``
-    positions) times its combine weight (``weights`` ``[tokens, top_k]``).
-
-    One ``index_add`` of the weighted rows into the tokens' rows (its backward a gather), where
-    scattering into a ``[tokens * top_k, dim]`` buffer and summing over ``top_k`` took about 3x
-    as long on CPU (in ``benchmarks/bench_moe.py``'s layer, 0.10 of the layer's time against
-    0.05 now). A token with no kept
-    assignment stays zero. With top-2 the sums are exactly those in ``k`` order (``0 + a + b``
-    equals ``0 + b + a`` in floating point); with more they follow the slots' order, by expert,
-    deterministically on CPU (and on CUDA under ``torch.use_deterministic_algorithms``)."""
-    weighted = y * weights.reshape(-1).index_select(0, slots).unsqueeze(-1).to(y.dtype)
-    return y.new_zeros(tokens, y.shape[-1]).index_add(0, slots // top_k, weighted)
-
-
-class RoutedTokens(NamedTuple):
-    """How a layer's tokens reach the experts' rows and come back: the kept ``slots`` sorted by
-    expert (:attr:`Dispatch.slots`; slot ``t * top_k + j`` is token ``t``'s ``j``-th choice) and
-    the router's combine ``weights`` ``[tokens, top_k]``."""
-
-    slots: torch.Tensor
-    weights: torch.Tensor
-    top_k: int
-
-
-def routed_experts(
-    tokens: torch.Tensor,
-    counts: torch.Tensor,
-    route: RoutedTokens,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-    kernel: str = "auto",
-    pad_to: int | None = None,
-) -> torch.Tensor:
-    """Each token's output ``[tokens, dim]``: the weighted sum of its kept experts' SwiGLU outputs.
-
-    The token rows are gathered into expert order, run through :func:`expert_swiglu` and
-    combined (:func:`combine`); where the kernel is the loop over experts outside autocast (fp32
-    on CPU under ``auto``), the three run fused, one expert at a time (:class:`_RoutedLoop`):
-    the same products and sums in the same order, bitwise the same results.
-    """
-    device_type = tokens.device.type
-    fused = not torch.is_autocast_enabled(device_type) and tokens.dtype == w1.dtype == route.weights.dtype
-    if fused and resolve_kernel(kernel, tokens, w1.shape[1]) == "loop":
-        sizes = counts.tolist()  # a host read, as the loop's split sizes (free on the CPU)
-        return _RoutedLoop.apply(tokens, route.weights, w1, w3, w2, route.slots, sizes, route.top_k)
-    rows = tokens.index_select(0, route.slots // route.top_k)
-    y = expert_swiglu(rows, counts, w1, w3, w2, kernel, pad_to=pad_to)
-    return combine(y, route.weights, route.slots, tokens.shape[0], route.top_k)
-
-
-class _RoutedLoop(torch.autograd.Function):
-    """Gather, SwiGLU and combine, one expert at a time, forward and backward written out.
-
-    Run as separate steps, the layer builds ``[tokens * top_k, dim]`` tensors (the gathered rows,
-    the concatenated outputs, their weighted copy and, in backward, their gradients) and passes
-    over each of them once more than it computes on them; on CPU those passes run at the speed of
-    main memory, since every step's tensors outgrow the caches. Here each expert's few hundred
-    rows are gathered, multiplied, weighted and added into the output while they are still in
-    the cache, and the backward pass does the same per expert (``benchmarks/bench_moe.py``: the
-    layer 11% to 12% faster, and it keeps fewer tensors for backward: each expert's two
-    pre-activations and its output, plus the inputs). The products are Forge's linear products
-    (:func:`forge_lm.model.linear.matmul_nt`); sums run in the unfused layer's order (a token's
-    experts by expert index), so results are bitwise those of gather, loop and combine.
-    """
-
-    @staticmethod
-    def forward(ctx, tokens, weights, w1, w3, w2, slots, sizes, top_k):
-        sources, slot_weights = slots // top_k, weights.reshape(-1).index_select(0, slots)
-        out = tokens.new_zeros(tokens.shape)
-        kept, start = [], 0
-        for expert, size in enumerate(sizes):
-            if size == 0:  # nothing to save: the backward pass skips this expert too
-                kept += [tokens.new_empty(0)] * 3
-                continue
-            stop = start + size
-            rows = tokens.index_select(0, sources[start:stop])
-            gate, up = matmul_nt(rows, w1[expert]), matmul_nt(rows, w3[expert])
-            y = matmul_nt(F.silu(gate).mul_(up), w2[expert])
-            out.index_add_(0, sources[start:stop], y * slot_weights[start:stop].unsqueeze(-1))
-            kept += [gate, up, y]
-            start = stop
-        ctx.sizes, ctx.top_k = sizes, top_k
-        ctx.save_for_backward(tokens, weights, w1, w3, w2, slots, *kept)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        tokens, weights, w1, w3, w2, slots, *kept = ctx.saved_tensors
-        need_tokens, need_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        sources, slot_weights = slots // ctx.top_k, weights.reshape(-1).index_select(0, slots)
-        grad_tokens = torch.zeros_like(tokens) if need_tokens else None
-        grad_slot_weights = weights.new_zeros(weights.numel())  # dropped slots: no gradient
-        grads = [torch.empty_like(w) for w in (w1, w3, w2)]  # every expert's slice is written below
-        start = 0
-        for expert, size in enumerate(ctx.sizes):
-            if size == 0:  # an expert without tokens: no gradient
-                for weight_grad in grads:
-                    weight_grad[expert].zero_()
-                continue
-            stop = start + size
-            gate, up, y = kept[3 * expert : 3 * expert + 3]
-            here = sources[start:stop]
-            grad_y = grad.index_select(0, here)
-            if need_weights:
-                grad_slot_weights.index_copy_(0, slots[start:stop], (grad_y * y).sum(-1))
-            grad_y.mul_(slot_weights[start:stop].unsqueeze(-1))  # now the gradient of y itself
-            activated = F.silu(gate)
-            grads[2][expert] = matmul_nt(grad_y.t(), (activated * up).t())
-            grad_hidden = matmul_nt(grad_y, w2[expert].t())
-            grad_up = grad_hidden * activated
-            grad_gate = torch.ops.aten.silu_backward(grad_hidden.mul_(up), gate)
-            rows = tokens.index_select(0, here)
-            grads[0][expert] = matmul_nt(grad_gate.t(), rows.t())
-            grads[1][expert] = matmul_nt(grad_up.t(), rows.t())
-            if need_tokens:
-                grad_rows = matmul_nt(grad_gate, w1[expert].t()).add_(matmul_nt(grad_up, w3[expert].t()))
-                grad_tokens.index_add_(0, here, grad_rows)
-            start = stop
-        grad_weights = grad_slot_weights.view_as(weights) if need_weights else None
-        return grad_tokens, grad_weights, *grads, None, None, None
-
-
 @functools.cache
 def grouped_mm_works(device_type: str, dtype: torch.dtype, dim: int, hidden: int) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward here, and agrees with ``bmm``.
@@ -383,3 +258,131 @@ def expert_swiglu(
     name = resolve_kernel(kernel, x, w1.shape[1])
     with torch.autocast(device_type, enabled=False):
         return _KERNEL_FUNCTIONS[name](x, counts, w1, w3, w2, pad_to)
+
+
+# -- tokens to experts and back ------------------------------------------------------------------
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """Each token's output ``[tokens, dim]``: the sum over its kept assignments of the expert's
+    output ``y`` (a row per kept slot, in the order of ``slots``, the flat ``token * top_k + k``
+    positions) times its combine weight (``weights`` ``[tokens, top_k]``).
+
+    One ``index_add`` of the weighted rows into the tokens' rows (its backward a gather), where
+    scattering into a ``[tokens * top_k, dim]`` buffer and summing over ``top_k`` took about 3x
+    as long on CPU (in ``benchmarks/bench_moe.py``'s layer, 0.10 of the layer's time against
+    0.05 now). A token with no kept
+    assignment stays zero. With top-2 the sums are exactly those in ``k`` order (``0 + a + b``
+    equals ``0 + b + a`` in floating point); with more they follow the slots' order, by expert,
+    deterministically on CPU (and on CUDA under ``torch.use_deterministic_algorithms``)."""
+    weighted = y * weights.reshape(-1).index_select(0, slots).unsqueeze(-1).to(y.dtype)
+    return y.new_zeros(tokens, y.shape[-1]).index_add(0, slots // top_k, weighted)
+
+
+class RoutedTokens(NamedTuple):
+    """How a layer's tokens reach the experts' rows and come back: the kept ``slots`` sorted by
+    expert (:attr:`Dispatch.slots`; slot ``t * top_k + j`` is token ``t``'s ``j``-th choice) and
+    the router's combine ``weights`` ``[tokens, top_k]``."""
+
+    slots: torch.Tensor
+    weights: torch.Tensor
+    top_k: int
+
+
+def routed_experts(
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+    route: RoutedTokens,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    kernel: str = "auto",
+    pad_to: int | None = None,
+) -> torch.Tensor:
+    """Each token's output ``[tokens, dim]``: the weighted sum of its kept experts' SwiGLU outputs.
+
+    The token rows are gathered into expert order, run through :func:`expert_swiglu` and
+    combined (:func:`combine`); where the kernel is the loop over experts outside autocast (fp32
+    on CPU under ``auto``), the three run fused, one expert at a time (:class:`_RoutedLoop`):
+    the same products and sums in the same order, bitwise the same results.
+    """
+    device_type = tokens.device.type
+    fused = not torch.is_autocast_enabled(device_type) and tokens.dtype == w1.dtype == route.weights.dtype
+    if fused and resolve_kernel(kernel, tokens, w1.shape[1]) == "loop":
+        sizes = counts.tolist()  # a host read, as the loop's split sizes (free on the CPU)
+        return _RoutedLoop.apply(tokens, route.weights, w1, w3, w2, route.slots, sizes, route.top_k)
+    rows = tokens.index_select(0, route.slots // route.top_k)
+    y = expert_swiglu(rows, counts, w1, w3, w2, kernel, pad_to=pad_to)
+    return combine(y, route.weights, route.slots, tokens.shape[0], route.top_k)
+
+
+class _RoutedLoop(torch.autograd.Function):
+    """Gather, SwiGLU and combine, one expert at a time, forward and backward written out.
+
+    Run as separate steps, the layer builds ``[tokens * top_k, dim]`` tensors (the gathered rows,
+    the concatenated outputs, their weighted copy and, in backward, their gradients) and passes
+    over each of them once more than it computes on them; on CPU those passes run at the speed of
+    main memory, since every step's tensors outgrow the caches. Here each expert's few hundred
+    rows are gathered, multiplied, weighted and added into the output while they are still in
+    the cache, and the backward pass does the same per expert (``benchmarks/bench_moe.py``: the
+    layer 11% to 12% faster, and it keeps fewer tensors for backward: each expert's two
+    pre-activations and its output, plus the inputs). The products are Forge's linear products
+    (:func:`forge_lm.model.linear.matmul_nt`); sums run in the unfused layer's order (a token's
+    experts by expert index), so results are bitwise those of gather, loop and combine.
+    """
+
+    @staticmethod
+    def forward(ctx, tokens, weights, w1, w3, w2, slots, sizes, top_k):
+        sources, slot_weights = slots // top_k, weights.reshape(-1).index_select(0, slots)
+        out = tokens.new_zeros(tokens.shape)
+        kept, start = [], 0
+        for expert, size in enumerate(sizes):
+            if size == 0:  # nothing to save: the backward pass skips this expert too
+                kept += [tokens.new_empty(0)] * 3
+                continue
+            stop = start + size
+            rows = tokens.index_select(0, sources[start:stop])
+            gate, up = matmul_nt(rows, w1[expert]), matmul_nt(rows, w3[expert])
+            y = matmul_nt(F.silu(gate).mul_(up), w2[expert])
+            out.index_add_(0, sources[start:stop], y * slot_weights[start:stop].unsqueeze(-1))
+            kept += [gate, up, y]
+            start = stop
+        ctx.sizes, ctx.top_k = sizes, top_k
+        ctx.save_for_backward(tokens, weights, w1, w3, w2, slots, *kept)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        tokens, weights, w1, w3, w2, slots, *kept = ctx.saved_tensors
+        need_tokens, need_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        sources, slot_weights = slots // ctx.top_k, weights.reshape(-1).index_select(0, slots)
+        grad_tokens = torch.zeros_like(tokens) if need_tokens else None
+        grad_slot_weights = weights.new_zeros(weights.numel())  # dropped slots: no gradient
+        grads = [torch.empty_like(w) for w in (w1, w3, w2)]  # every expert's slice is written below
+        start = 0
+        for expert, size in enumerate(ctx.sizes):
+            if size == 0:  # an expert without tokens: no gradient
+                for weight_grad in grads:
+                    weight_grad[expert].zero_()
+                continue
+            stop = start + size
+            gate, up, y = kept[3 * expert : 3 * expert + 3]
+            here = sources[start:stop]
+            grad_y = grad.index_select(0, here)
+            if need_weights:
+                grad_slot_weights.index_copy_(0, slots[start:stop], (grad_y * y).sum(-1))
+            grad_y.mul_(slot_weights[start:stop].unsqueeze(-1))  # now the gradient of y itself
+            activated = F.silu(gate)
+            grads[2][expert] = matmul_nt(grad_y.t(), (activated * up).t())
+            grad_hidden = matmul_nt(grad_y, w2[expert].t())
+            grad_up = grad_hidden * activated
+            grad_gate = torch.ops.aten.silu_backward(grad_hidden.mul_(up), gate)
+            rows = tokens.index_select(0, here)
+            grads[0][expert] = matmul_nt(grad_gate.t(), rows.t())
+            grads[1][expert] = matmul_nt(grad_up.t(), rows.t())
+            if need_tokens:
+                grad_rows = matmul_nt(grad_gate, w1[expert].t()).add_(matmul_nt(grad_up, w3[expert].t()))
+                grad_tokens.index_add_(0, here, grad_rows)
+            start = stop
+        grad_weights = grad_slot_weights.view_as(weights) if need_weights else None
+        return grad_tokens, grad_weights, *grads, None, None, None
