@@ -1,13 +1,13 @@
-"""Muon's optimizer state through Forge's DCP checkpoints on two gloo ranks, under FSDP2, HSDP
-and tensor parallelism, and each of those runs against the one-process run.
+"""Muon's optimizer state through Forge's DCP checkpoints on gloo ranks, under FSDP2, HSDP,
+tensor parallelism (2 ranks each) and FSDP2 with tensor parallelism (4 ranks), and each of
+those runs against the one-process run.
 
 For each layout, ``forge train`` runs under ``torchrun`` for 4 steps, checkpointing at steps 2
 and 4. A copy of its directory as it stood at step 2 (the checkpoint a run of 2 steps leaves)
-is resumed to step 4 on 2 ranks: the two step-4 checkpoints (weights, momentum buffers, the
-fallback's moments and steps) are equal bit for bit. Another copy resumes in one process (DCP
-reshards the state) and continues like the 2-rank run; every 2-rank run follows the one-process
-run of the same global batch. FSDP2 together with tensor parallelism needs 4
-ranks (``dp_shard = 2`` x ``tp = 2``); here ``tp = 2`` runs alone.
+is resumed to step 4 on the same ranks: the two step-4 checkpoints (weights, momentum buffers,
+the fallback's moments and steps) are equal bit for bit. Another copy resumes in one process
+(DCP reshards the state) and continues like the distributed run; every distributed run follows
+the one-process run of the same global batch.
 """
 
 from __future__ import annotations
@@ -50,19 +50,21 @@ TINY = [
     "--optimizer.ns_dtype=float32",
 ]
 GLOBAL_BATCH = 4
-# Each layout's arguments and per-rank batch: data-parallel ranks split the global batch of 4,
-# tensor-parallel ranks read it whole.
+# Each layout's arguments, per-rank batch and ranks: data-parallel ranks split the global batch
+# of 4, tensor-parallel ranks read their data-parallel rank's share whole.
 LAYOUTS = {
-    "fsdp2": (["--distributed.dp_shard=2"], 2),
-    "hsdp": (["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2),
-    "tp": (["--distributed.tp=2"], 4),
+    "fsdp2": (["--distributed.dp_shard=2"], 2, 2),
+    "hsdp": (["--distributed.dp_replicate=2", "--distributed.dp_shard=1"], 2, 2),
+    "tp": (["--distributed.tp=2"], 4, 2),
+    # Parameters sharded over dp_shard and split over tp: DTensors on a 2-D mesh.
+    "fsdp2-tp": (["--distributed.dp_shard=2", "--distributed.tp=2"], 2, 4),
 }
 
 
-def _two_ranks(run_dir: Path, steps: int, layout: str) -> str:
-    extra, batch = LAYOUTS[layout]
+def _distributed(run_dir: Path, steps: int, layout: str) -> str:
+    extra, batch, ranks = LAYOUTS[layout]
     args = [*TINY, *extra, f"--train.batch_size={batch}", f"--train.max_steps={steps}", f"--train.output_dir={run_dir}"]
-    result = torchrun(["-m", "forge_lm", "train", "--plugins", "muon", *args], nproc=2)
+    result = torchrun(["-m", "forge_lm", "train", "--plugins", "muon", *args], nproc=ranks)
     _ok(result)
     return result.stderr
 
@@ -85,7 +87,7 @@ def _one_process(run_dir: Path, steps: int, config_file: Path | None = None) -> 
     overrides = [f"--train.batch_size={GLOBAL_BATCH}", f"--train.max_steps={steps}", f"--train.output_dir={run_dir}"]
     if config_file is None:
         config = load_config(None, [*TINY, *overrides], manager.registry)
-    else:  # a 2-rank run's own config, on one process: its layout back to 1 rank
+    else:  # a distributed run's own config, on one process: its layout back to 1 rank
         one_rank = ["--distributed.dp_shard=-1", "--distributed.dp_replicate=1", "--distributed.tp=1"]
         config = load_config(config_file, [*one_rank, *overrides], manager.registry)
     return train(config, manager)
@@ -118,18 +120,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Per layout: 4 steps straight; its step 2 resumed to 4 on 2 ranks, and on 1."""
+    """Per layout: 4 steps straight; its step 2 resumed to 4 on the same ranks, and on 1."""
     layout, root = request.param, tmp_path_factory.mktemp(request.param)
     straight = root / "straight"
-    _two_ranks(straight, 4, layout)
+    _distributed(straight, 4, layout)
     resumed = _as_at_step(straight, root / "resumed", 2)
-    assert "resumed from" in _two_ranks(resumed, 4, layout)
+    assert "resumed from" in _distributed(resumed, 4, layout)
     one_rank = _as_at_step(straight, root / "one_rank", 2)
     assert _one_process(one_rank, 4, one_rank / "config.toml").resumed_at == 2
     return {"straight": straight, "resumed": resumed, "one_rank": one_rank}
 
 
-def test_two_rank_resume_ends_bit_for_bit_where_the_uninterrupted_run_does(runs):
+def test_distributed_resume_ends_bit_for_bit_where_the_uninterrupted_run_does(runs):
     model, optimizer = _checkpoint(runs["straight"], 4)
     resumed_model, resumed_optimizer = _checkpoint(runs["resumed"], 4)
     initial, _ = _checkpoint(runs["resumed"], 2)
@@ -147,7 +149,7 @@ def test_two_rank_resume_ends_bit_for_bit_where_the_uninterrupted_run_does(runs)
     assert any(a.side == "muon" for a in optimizer.assignments)
 
 
-def test_two_rank_run_follows_the_one_process_run(runs, reference):
+def test_distributed_run_follows_the_one_process_run(runs, reference):
     expected, actual = metrics_by_step(reference), metrics_by_step(runs["straight"])
     for step in (1, 2, 3, 4):
         assert actual[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
@@ -157,11 +159,11 @@ def test_two_rank_run_follows_the_one_process_run(runs, reference):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_two_rank_checkpoint_resumes_on_one_process(runs):
-    """The 2-rank step-2 checkpoint, resharded to 1 rank, continues as the 2-rank run does."""
-    two, one = metrics_by_step(runs["resumed"]), metrics_by_step(runs["one_rank"])
+def test_distributed_checkpoint_resumes_on_one_process(runs):
+    """The distributed step-2 checkpoint, resharded to 1 rank, continues as the distributed run does."""
+    distributed, one = metrics_by_step(runs["resumed"]), metrics_by_step(runs["one_rank"])
     for step in (3, 4):
-        assert one[step]["loss"] == pytest.approx(two[step]["loss"], rel=1e-5), step
+        assert one[step]["loss"] == pytest.approx(distributed[step]["loss"], rel=1e-5), step
     expected, _ = _checkpoint(runs["resumed"], 4)
     actual, _ = _checkpoint(runs["one_rank"], 4)
     for (name, want), got in zip(expected.state_dict().items(), actual.state_dict().values(), strict=True):
