@@ -105,6 +105,11 @@ def test_tied_embeddings_are_rejected(manager) -> None:
     assert model.output is not None
 
 
+def test_a_model_that_is_not_a_forge_transformer_is_rejected_with_the_fix() -> None:
+    with pytest.raises(ForgeError, match=r"Sequential has no 'tok_embeddings'.*build_model.*pp = 1"):
+        check_pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2)), ParallelDims(pp=2, pp_schedule="gpipe"), 2)
+
+
 def test_more_stages_than_layers_are_rejected(manager) -> None:
     with pytest.raises(ConfigError, match="pp = 3 stages need at least as many layers; the model has 2"):
         check_pipeline(tiny_model(manager, n_layers=2), ParallelDims(pp=3, pp_schedule="gpipe"), 4)

@@ -87,7 +87,8 @@ def check_pipeline(model: nn.Module, dims: Any, microbatches: int) -> None:
     for part in ("tok_embeddings", "layers", "norm", "output"):
         if not hasattr(model, part):
             raise ForgeError(
-                f"pipeline parallelism splits a forge_lm Transformer; {type(model).__name__} has no '{part}'."
+                f"pipeline parallelism splits a forge_lm Transformer into stages; {type(model).__name__} has no "
+                f"'{part}'. Build the model with forge_lm.model.build_model, or set [distributed] pp = 1."
             )
     if dims.pp_schedule not in SCHEDULES:
         problems.append(f"pp_schedule '{dims.pp_schedule}' is not one of {', '.join(sorted(SCHEDULES))}")

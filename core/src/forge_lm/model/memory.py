@@ -272,7 +272,7 @@ def _estimate(
     states: float,
     dims: ParallelDims,
     autocast: torch.dtype | None,
-    device: torch.device | None = None,
+    device: torch.device | None,
 ) -> MemoryEstimate:
     model, train = config.model, config.train
     shards = dims.dp_shard * dims.cp * dims.tp * dims.pp  # FSDP2 shards over dp_shard x cp

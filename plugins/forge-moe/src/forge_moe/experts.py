@@ -357,7 +357,8 @@ class _RoutedLoop(torch.autograd.Function):
         need_tokens, need_weights = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         sources, slot_weights = slots // ctx.top_k, weights.reshape(-1).index_select(0, slots)
         grad_tokens = torch.zeros_like(tokens) if need_tokens else None
-        grad_slot_weights = weights.new_zeros(weights.numel())  # dropped slots: no gradient
+        # Dropped slots get no gradient, hence zeros; none at all when the weights need none.
+        grad_slot_weights = weights.new_zeros(weights.numel()) if need_weights else None
         grads = [torch.empty_like(w) for w in (w1, w3, w2)]  # every expert's slice is written below
         start = 0
         for expert, size in enumerate(ctx.sizes):
