@@ -103,6 +103,10 @@ class TrainResult:
     resumed_at: int = 0  # the step this start resumed from (0: a new run); == steps: nothing to train
 
 
+# What [train] cpu_keep_freed_memory did on a run that is not on the CPU (forge_lm.train.cpu_memory).
+_NOT_A_CPU_RUN = "not changed: not a CPU run"
+
+
 @attrs.define
 class _Parts:
     """Everything a run is built from, before anything is written."""
@@ -125,7 +129,7 @@ class _Parts:
     peak_flops: float | None  # of the whole world (one device's times the ranks); None: unknown, no MFU
     peak_source: str | None  # where the peak came from (configured, GPU table, theoretical, measured)
     context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in its sequence-splitting group
-    cpu_memory: str = "not changed: not a CPU run"  # what [train] cpu_keep_freed_memory did (forge_lm.train.cpu_memory)
+    cpu_memory: str = _NOT_A_CPU_RUN  # what [train] cpu_keep_freed_memory did (forge_lm.train.cpu_memory)
 
     @property
     def pp_group(self) -> Any:
@@ -145,7 +149,7 @@ def _choose_linear_kernel(kernel: str, device: torch.device) -> None:
 def _cpu_memory(keep: bool, device: torch.device) -> str:
     """Keep freed memory in the process for a CPU run (forge_lm.train.cpu_memory); what was done."""
     if device.type != "cpu":
-        return "not changed: not a CPU run"
+        return _NOT_A_CPU_RUN
     if not keep:
         return "not changed: [train] cpu_keep_freed_memory = false"
     return keep_freed_memory()
