@@ -20,14 +20,12 @@ from pathlib import Path
 import pytest
 
 from forge_lm.metrics.jsonl import read_metrics
+from forge_lm.testing import TINY_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "slurm" / "multi_node.sbatch"
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--train.batch_size=2",
     "--train.seq_len=16",
     "--metrics.log_interval=1",

@@ -29,13 +29,11 @@ from pathlib import Path
 import pytest
 
 from forge_lm.cli._main import main
+from forge_lm.testing import TINY_MODEL
 
 # A tiny run: 2 layers of width 32, synthetic data, a checkpoint every 2 steps, ~1 s to train.
 TINY = (
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--train.batch_size=2",
     "--train.seq_len=16",
     "--metrics.log_interval=1",

@@ -15,14 +15,12 @@ from forge_lm.checkpoint._staging import StagingBuffers
 from forge_lm.config import load_config
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 from forge_lm.testing.distributed import torchrun
 
 WORKER = Path(__file__).parent / "workers" / "async_save_worker.py"
 MODEL = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
+    *TINY_MODEL,
     "--model.vocab_size=257",
     "--train.batch_size=2",
     "--train.seq_len=16",

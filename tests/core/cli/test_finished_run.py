@@ -10,12 +10,10 @@ import pytest
 import forge_lm.cli._main as cli_main
 from forge_lm.metrics.jsonl import last_logged, read_metrics
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 
 TINY = (
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--train.batch_size=2",
     "--train.seq_len=16",
     "--train.max_steps=2",

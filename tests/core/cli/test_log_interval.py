@@ -6,13 +6,11 @@ from __future__ import annotations
 import forge_lm.cli._main as cli_main
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 from forge_lm.testing._references import read_console
 
 TINY = (
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--train.batch_size=2",
     "--train.seq_len=16",
     "--metrics.peak_flops=1e12",

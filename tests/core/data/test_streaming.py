@@ -16,7 +16,7 @@ from forge_lm.components import DataContext
 from forge_lm.config import load_config
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.metrics.jsonl import read_metrics
-from forge_lm.testing import check_component
+from forge_lm.testing import TINY_MODEL, check_component
 from forge_lm.testing._tiny import plain_round_trip
 from forge_lm.testing.distributed import torchrun
 from forge_lm.tokenizers.byte_level import ByteTokenizer
@@ -363,11 +363,7 @@ def test_a_missing_or_non_string_text_field_names_the_file(tmp_path, build_datas
 # -- training: exact resumption ------------------------------------------------------------------
 
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--train.batch_size=8",
     "--train.seq_len=16",
     "--scheduler.name=constant",  # the learning rate must not depend on max_steps, which the runs change

@@ -23,15 +23,13 @@ from forge_lm.distributed.context_parallel import zigzag_positions
 from forge_lm.errors import ConfigError
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 from forge_lm.testing.distributed import metrics_by_step, torchrun
 
 WORKER = Path(__file__).parent / "workers" / "context_parallel_worker.py"
 # test_torchrun_cli.py's tiny run: a constant learning rate, evaluation and checkpoints at step 2.
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
+    *TINY_MODEL,
     "--train.seq_len=16",
     "--train.batch_size=4",
     "--train.grad_accum_steps=2",

@@ -14,15 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from forge_lm.testing import TINY_MODEL
 from forge_lm.testing.distributed import metrics_by_step, torchrun
 
 # Per-rank batch 2 on 2 ranks = batch 4 in one process. A constant learning rate, so that a run
 # stopped early and resumed follows the same schedule as one that never stopped.
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
+    *TINY_MODEL,
     "--train.seq_len=16",
     "--train.grad_accum_steps=2",
     "--metrics.log_interval=1",

@@ -23,14 +23,12 @@ from forge_lm.errors import PluginError
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginManager, PluginSettings, PluginStatus
 from forge_lm.plugins._calls import PLUGIN_HOOK_EXIT_CODE, PluginHookFailed
+from forge_lm.testing import TINY_MODEL
 from forge_lm.train import train
 from forge_lm.train.resilience import NonFiniteLoss
 
 TINY = (
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--train.batch_size=2",
     "--train.seq_len=16",
     "--train.max_steps=4",

@@ -24,6 +24,7 @@ import pytest
 
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.model.linear import onednn_available
+from forge_lm.testing import TINY_MODEL
 
 FAULTS = """
 import os, signal, threading, time
@@ -92,10 +93,7 @@ def forge_lm_register_losses(register):
 """
 
 BASE = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.max_seq_len=64",
+    *TINY_MODEL,
     "--train.batch_size=4",
     "--train.seq_len=32",
     "--train.max_steps=12",

@@ -16,6 +16,7 @@ import transformers
 
 from forge_lm.config import load_config, to_toml
 from forge_lm.metrics.jsonl import read_metrics
+from forge_lm.testing import TINY_MODEL
 from forge_lm.train import train
 from forge_lm.train.inference import load_for_inference
 
@@ -108,10 +109,7 @@ def test_sigmoid_router_bias_moves_once_per_optimizer_step_and_is_checkpointed(m
     config = load_config(
         None,
         [
-            "--model.dim=32",
-            "--model.n_layers=2",
-            "--model.n_heads=4",
-            "--model.max_seq_len=64",
+            *TINY_MODEL,
             "--model.ffn.name=moe",
             "--model.ffn.n_experts=4",
             "--model.ffn.router.name=sigmoid_topk",

@@ -24,16 +24,14 @@ from forge_lm.checkpoint import CheckpointManager
 from forge_lm.config import load_config
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
+from forge_lm.testing import TINY_MODEL
 from forge_lm.testing.distributed import metrics_by_step, torchrun
 from forge_lm.train import TrainResult, train
 
 # A constant learning rate, so that a run stopped at step 2 and resumed follows the schedule of
 # one that never stopped; the model is big enough that every matrix is sharded on each layout.
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
+    *TINY_MODEL,
     "--model.tie_embeddings=false",
     "--train.seq_len=16",
     "--metrics.log_interval=1",

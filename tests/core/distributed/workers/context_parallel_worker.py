@@ -21,6 +21,7 @@ from forge_lm.distributed.launch import exit_process
 from forge_lm.distributed.reduce import agree_on_step
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 from forge_lm.train.loop import _build, _train_step
 
 BATCH, SEQ, VOCAB, ACCUM = 2, 16, 257, 2
@@ -36,10 +37,7 @@ def main() -> int:
     overrides = [arg for arg in rest if arg != "--documents"]
     manager = PluginManager(PluginSettings(autoload=False))
     base = [
-        "--model.dim=32",
-        "--model.n_layers=2",
-        "--model.n_heads=4",
-        "--model.n_kv_heads=2",
+        *TINY_MODEL,
         f"--model.vocab_size={VOCAB}",
         f"--train.seq_len={SEQ}",
         f"--train.batch_size={BATCH}",

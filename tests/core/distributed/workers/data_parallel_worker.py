@@ -20,6 +20,7 @@ from forge_lm.distributed.launch import exit_process
 from forge_lm.distributed.reduce import mean_over_data_parallel
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 from forge_lm.train.loop import _build, _gradient_sync, _train_step
 
 BATCH, SEQ, VOCAB, ACCUM = 4, 16, 257, 2
@@ -34,10 +35,7 @@ def main() -> int:
     # Installed plugins too (forge-optim-muon's optimizer is compared below).
     manager = PluginManager(PluginSettings(allow=("muon",)))
     base = [
-        "--model.dim=32",
-        "--model.n_layers=2",
-        "--model.n_heads=4",
-        "--model.n_kv_heads=2",
+        *TINY_MODEL,
         f"--model.vocab_size={VOCAB}",
         f"--train.seq_len={SEQ}",
         f"--train.grad_accum_steps={ACCUM}",

@@ -27,12 +27,11 @@ from forge_lm.distributed.activation_checkpointing import checkpointed
 from forge_lm.distributed.launch import exit_process
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 
 VOCAB, BATCH, SEQ = 61, 4, 8
 BASE = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
+    *TINY_MODEL,
     f"--model.max_seq_len={SEQ}",
     f"--train.seq_len={SEQ}",
     "--model.ffn.name=moe",
