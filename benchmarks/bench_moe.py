@@ -48,10 +48,19 @@ GROUPED = "moe grouped_mm"
 FINE_GROUPED = "fine-grained moe grouped_mm"
 FINE_LOOP = "fine-grained moe loop over experts"
 FINE_AUTO = "fine-grained moe auto"
-# The default layer at twice the width (dim and expert hidden): where the fixed costs stand as
-# the products grow 4x.
-WIDE_DENSE = "dense swiglu, 2x wide"
-WIDE_AUTO = "moe auto, 2x wide"
+# The default layer at 2x and 4x the width (dim and expert hidden): where the fixed costs stand
+# as the products grow 4x and 16x.
+WIDTHS = (2, 4)
+
+
+def wide_dense(width: int) -> str:
+    return f"dense swiglu, {width}x wide"
+
+
+def wide_auto(width: int) -> str:
+    return f"moe auto, {width}x wide"
+
+
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -164,10 +173,13 @@ def variants(x: torch.Tensor) -> dict[tuple[str, str], Callable[[], float]]:
     }
     for kernel, what in fine_kernels.items():
         out[("fp32", what)] = layer_step(moe_layer(kernel, **fine), x, None)
-    wide = torch.randn(BATCH, SEQ, 2 * DIM, generator=torch.Generator().manual_seed(4))
-    torch.manual_seed(1)
-    out[("fp32", WIDE_DENSE)] = layer_step(SwiGLU(2 * DIM, TOP_K * 2 * EXPERT_HIDDEN), wide, None)
-    out[("fp32", WIDE_AUTO)] = layer_step(moe_layer("auto", hidden=2 * EXPERT_HIDDEN, dim=2 * DIM), wide, None)
+    for width in WIDTHS:
+        wide = torch.randn(BATCH, SEQ, width * DIM, generator=torch.Generator().manual_seed(4))
+        torch.manual_seed(1)
+        dense_wide = SwiGLU(width * DIM, TOP_K * width * EXPERT_HIDDEN)
+        out[("fp32", wide_dense(width))] = layer_step(dense_wide, wide, None)
+        moe_wide = moe_layer("auto", hidden=width * EXPERT_HIDDEN, dim=width * DIM)
+        out[("fp32", wide_auto(width))] = layer_step(moe_wide, wide, None)
     for what, step in breakdown_steps(x).items():
         out[("fp32", what)] = step
     return out
@@ -197,9 +209,11 @@ def main() -> None:
     for name, values in samples.items():
         dtype_name, what = names[name]
         time_s = medians[(dtype_name, what)]
-        fine, wide = what.startswith("fine-grained"), what.endswith("2x wide")
-        dense = medians[(dtype_name, WIDE_DENSE if wide else DENSE)]
-        loop = medians[(dtype_name, WIDE_AUTO if wide else FINE_LOOP if fine else LOOP)]
+        fine = what.startswith("fine-grained")
+        width = next((w for w in WIDTHS if what.endswith(f"{w}x wide")), None)
+        wide = width is not None
+        dense = medians[(dtype_name, wide_dense(width) if wide else DENSE)]
+        loop = medians[(dtype_name, wide_auto(width) if wide else FINE_LOOP if fine else LOOP)]
         rows.append(
             {
                 "dtype": dtype_name,
@@ -258,11 +272,14 @@ def main() -> None:
             "meaning": f"target 0.9; {4 * N_EXPERTS * 9} small products per step (experts of hidden "
             f"{EXPERT_HIDDEN // 4})",
         },
+    ]
+    headline += [
         {
-            "measure": "MoE layer fp32 at 2x the width (auto kernel): dense of equal active size / MoE (time)",
-            "value": medians[("fp32", WIDE_DENSE)] / medians[("fp32", WIDE_AUTO)],
-            "meaning": "the same ratio with 4x the products' work: how much of the gap is fixed cost",
-        },
+            "measure": f"MoE layer fp32 at {width}x the width (auto kernel): dense of equal active size / MoE (time)",
+            "value": medians[("fp32", wide_dense(width))] / medians[("fp32", wide_auto(width))],
+            "meaning": f"the same ratio with {width * width}x the products' work: how much of the gap is fixed cost",
+        }
+        for width in WIDTHS
     ]
     save(
         "moe",
@@ -277,7 +294,9 @@ def main() -> None:
             "speed_vs_*: that layer's median time over this row's (higher is faster); time_vs_moe_grouped: this "
             "row's median over the grouped MoE layer's (the routers' share of the layer). Fine-grained rows: "
             f"{4 * N_EXPERTS} experts of hidden {EXPERT_HIDDEN // 4}, top-{4 * TOP_K}, compared with their own loop. "
-            f"2x wide rows: dim {2 * DIM}, experts of hidden {2 * EXPERT_HIDDEN}, against a dense layer of that width. "
+            "Wide rows: "
+            + ", ".join(f"{w}x dim {w * DIM} with experts of hidden {w * EXPERT_HIDDEN}" for w in WIDTHS)
+            + ", each against a dense layer of that width. "
             "Every layer's input needs its gradient, as in a model. "
             f"Freed memory kept in the process, as a Forge run on CPU does (forge_lm.train.cpu_memory: {cpu_memory}). "
             "The loop over experts in fp32 (and so auto's layer here) runs gather, experts and combine fused, one "
