@@ -60,10 +60,10 @@ def _apply(model: nn.Module, context: TransformContext) -> None:
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **common)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **common)
-    # FSDP2 warns when a unit returns a view: an in-place op on that view
-    # would skip the unit's pre-backward hook. A block's output (the residual stream) and the
-    # model's (the logits) are only ever read out of place in Forge, so for these two units the
-    # warning is noise; other units (a plugin's own, above) keep it.
+    # FSDP2 warns when a unit returns a view: an in-place op on that view would skip the unit's
+    # pre-backward hook. A block's output (the residual stream) and the model's (the logits) are
+    # only ever read out of place in Forge, so for these two units the warning is noise; other
+    # units (a plugin's own, above) keep it.
     warnings.filterwarnings(
         "ignore",
         message=r"FSDP2-wrapped module \(FSDP(Block|Transformer)\) returned a view tensor",
