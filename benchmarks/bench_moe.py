@@ -11,6 +11,13 @@ speed relative to the dense layer and to the expert loop, and time relative to t
 layer (the routers' share of it). In fp32 also a fine-grained layer of the same active size
 (4x the experts at a quarter of the width, top-8), where a loop pays for 32 small matmuls.
 
+Where the MoE layer's time goes beyond the dense layer's: its parts alone (router, permutation,
+experts, combine), and the linear products alone, for both layers (the dense layer's nine, the
+experts' nine per expert at this routing's row counts), at each width. From these the headline
+estimates the best ratio within reach: the layer's if permutation and combine cost nothing and
+its other work beyond the products cost what the dense layer's does, plus the router. Parts
+measured alone are as noisy as the layers (one run's layer measured above that estimate).
+
 Run:  .venv/bin/python benchmarks/bench_moe.py [--rounds 10] [--threads N]
 
 On a machine shared with other jobs, ``--threads 1`` keeps the numbers meaningful: with every
@@ -21,14 +28,17 @@ issue many small matmuls (one per expert) suffer most.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from _record import alternate, median, save, timed
 
+from forge_lm.model.linear import matmul_nt
 from forge_lm.model.swiglu import SwiGLU
 from forge_lm.train.cpu_memory import keep_freed_memory
-from forge_moe.experts import dispatch, resolve_kernel
+from forge_moe.experts import Dispatch, dispatch, resolve_kernel
 from forge_moe.layer import MoELayer
 from forge_moe.layer import combine as combine_outputs
 from forge_moe.routers import SigmoidTopKRouter, SoftmaxTopKRouter
@@ -44,6 +54,9 @@ PARTS = (
     "part: experts alone (auto kernel)",
     "part: combine (weight + index_add)",
 )
+# The linear products alone, forward and backward, on the kernel both layers use.
+DENSE_PRODUCTS = "products alone: dense layer's"
+EXPERT_PRODUCTS = "products alone: the experts' (this routing's rows)"
 GROUPED = "moe grouped_mm"
 FINE_GROUPED = "fine-grained moe grouped_mm"
 FINE_LOOP = "fine-grained moe loop over experts"
@@ -59,6 +72,11 @@ def wide_dense(width: int) -> str:
 
 def wide_auto(width: int) -> str:
     return f"moe auto, {width}x wide"
+
+
+def at_width(what: str, width: int) -> str:
+    """The row ``what`` at ``width`` times the default width (1: the default's own name)."""
+    return what if width == 1 else f"{what}, {width}x wide"
 
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -86,6 +104,24 @@ def moe_layer(
     ).train()
 
 
+def steady(sample: Callable[[], float], min_seconds: float = 0.1) -> Callable[[], float]:
+    """``sample`` (the seconds of one call) run enough times per sample to last ``min_seconds``,
+    returning the mean seconds of one call. The number of calls is fixed by the first sample
+    (a warm-up one). One 20 ms call is at the mercy of a single scheduler hiccup on a shared
+    machine; without this, a layer's parts measured alone could add up to more than the layer."""
+    calls = 0
+
+    def run() -> float:
+        nonlocal calls
+        if not calls:
+            first = sample()
+            calls = max(1, math.ceil(min_seconds / max(first, 1e-9)))
+            return first
+        return sum(sample() for _ in range(calls)) / calls
+
+    return run
+
+
 def layer_step(layer: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype | None) -> Callable[[], float]:
     def step() -> None:
         layer.zero_grad(set_to_none=True)
@@ -109,16 +145,22 @@ def router_step(router: torch.nn.Module, x: torch.Tensor, dtype: torch.dtype | N
     return lambda: timed(step)
 
 
+def auto_routing(x: torch.Tensor) -> tuple[MoELayer, Any, Dispatch]:
+    """The fp32 auto layer, its routing of ``x`` and the dropless dispatch of that routing (the
+    same every call: :func:`moe_layer` seeds the weights)."""
+    layer = moe_layer("auto")
+    with torch.no_grad():
+        routing = layer.router(x)
+        return layer, routing, dispatch(routing.indices, N_EXPERTS)
+
+
 def breakdown_steps(x: torch.Tensor) -> dict[str, Callable[[], float]]:
     """The MoE layer's parts, each forward and backward alone on the inputs the layer would give
     it (fp32, dropless, the routing of the grouped layer's weights): where the time beyond the
     experts' matmuls goes. Together they are the layer (up to the autograd glue between them)."""
-    layer = moe_layer("auto")
+    layer, routing, plan = auto_routing(x)
     tokens, top_k = BATCH * SEQ, TOP_K
     flat = x.reshape(tokens, DIM)
-    with torch.no_grad():
-        routing = layer.router(x)
-        plan = dispatch(routing.indices, N_EXPERTS)
     source = plan.slots // top_k
     generator = torch.Generator().manual_seed(3)
     rows_grad = torch.randn(plan.slots.numel(), DIM, generator=generator)
@@ -144,6 +186,40 @@ def breakdown_steps(x: torch.Tensor) -> dict[str, Callable[[], float]]:
 
     steps = (router_step(layer.router, x, None), lambda: timed(permute), lambda: timed(experts), lambda: timed(combine))
     return dict(zip(PARTS, steps, strict=True))
+
+
+def product_steps(layer: MoELayer, x: torch.Tensor, width: int) -> dict[str, Callable[[], float]]:
+    """The linear products alone at ``width``: the experts' at ``layer``'s dropless routing of
+    ``x``, and those of the dense layer of equal active size."""
+    with torch.no_grad():
+        rows = dispatch(layer.router(x).indices, N_EXPERTS).counts.tolist()
+    dim, hidden = width * DIM, width * EXPERT_HIDDEN
+    experts = [swiglu_products(count, dim, hidden) for count in rows if count]
+    dense = swiglu_products(BATCH * SEQ, dim, TOP_K * hidden)
+    return {
+        at_width(EXPERT_PRODUCTS, width): lambda: timed(lambda: [run() for run in experts]),
+        at_width(DENSE_PRODUCTS, width): lambda: timed(dense),
+    }
+
+
+def swiglu_products(rows: int, dim: int, hidden: int) -> Callable[[], None]:
+    """The nine linear products of a SwiGLU layer's forward and backward over ``rows`` rows, and
+    nothing else, through Forge's products (:func:`forge_lm.model.linear.matmul_nt`, the kernel
+    both the dense layer and forge-moe's fused expert loop take), with the operands' layouts
+    those layers pass (transposed views for the weight gradients)."""
+    generator = torch.Generator().manual_seed(5)
+    x, out_grad = torch.randn(rows, dim, generator=generator), torch.randn(rows, dim, generator=generator)
+    activated, hidden_grad = (torch.randn(rows, hidden, generator=generator) for _ in range(2))
+    gate, up = (torch.randn(hidden, dim, generator=generator) for _ in range(2))
+    down = torch.randn(dim, hidden, generator=generator)
+
+    def run() -> None:
+        matmul_nt(x, gate), matmul_nt(x, up), matmul_nt(activated, down)  # forward
+        matmul_nt(out_grad.t(), activated.t()), matmul_nt(out_grad, down.t())  # down: weight, input gradients
+        matmul_nt(hidden_grad.t(), x.t()), matmul_nt(hidden_grad.t(), x.t())  # gate, up: weight gradients
+        matmul_nt(hidden_grad, gate.t()), matmul_nt(hidden_grad, up.t())  # gate, up: input gradients
+
+    return run
 
 
 def variants(x: torch.Tensor) -> dict[tuple[str, str], Callable[[], float]]:
@@ -180,9 +256,39 @@ def variants(x: torch.Tensor) -> dict[tuple[str, str], Callable[[], float]]:
         out[("fp32", wide_dense(width))] = layer_step(dense_wide, wide, None)
         moe_wide = moe_layer("auto", hidden=width * EXPERT_HIDDEN, dim=width * DIM)
         out[("fp32", wide_auto(width))] = layer_step(moe_wide, wide, None)
+        out[("fp32", at_width(PARTS[0], width))] = router_step(moe_wide.router, wide, None)
+        out.update({("fp32", what): step for what, step in product_steps(moe_wide, wide, width).items()})
     for what, step in breakdown_steps(x).items():
         out[("fp32", what)] = step
+    out.update({("fp32", what): step for what, step in product_steps(moe_layer("auto"), x, 1).items()})
     return out
+
+
+def within_reach_rows(medians: dict[tuple[str, str], float], width: int) -> list[dict[str, Any]]:
+    """Headline rows at ``width``: the products alone, dense's over the experts', and the best
+    layer ratio they leave within reach (an estimate; see the module's docstring)."""
+    dense = medians[("fp32", DENSE if width == 1 else wide_dense(width))]
+    dense_products = medians[("fp32", at_width(DENSE_PRODUCTS, width))]
+    expert_products = medians[("fp32", at_width(EXPERT_PRODUCTS, width))]
+    router = medians[("fp32", at_width(PARTS[0], width))]
+    where = "" if width == 1 else f" at {width}x the width"
+    rest = dense - dense_products
+    return [
+        {
+            "measure": f"MoE layer fp32{where}, the linear products alone: the dense layer's / the experts' (time)",
+            "value": dense_products / expert_products,
+            "meaning": "the same nine products per expert, at this routing's rows, against the dense layer's nine; "
+            "below 0.9, the products alone rule out the target",
+        },
+        {
+            "measure": f"MoE layer fp32{where} (auto kernel): best dense / MoE within reach, estimated (time)",
+            "value": dense / (expert_products + max(0.0, rest) + router),
+            "meaning": "the layer's ratio if permutation and combine cost nothing and its rest beyond the products "
+            "cost what the dense layer's does (the same SwiGLU elementwise work), plus the router alone: dense "
+            f"{dense * 1e3:.1f} ms over (products {expert_products * 1e3:.1f} + dense's rest {rest * 1e3:.1f} + "
+            f"router {router * 1e3:.1f})",
+        },
+    ]
 
 
 def main() -> None:
@@ -199,7 +305,7 @@ def main() -> None:
     cpu_memory = keep_freed_memory()
 
     x = torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(2))
-    steps = variants(x)
+    steps = {key: steady(step) for key, step in variants(x).items()}
     names = {f"{dtype} {what}": (dtype, what) for dtype, what in steps}
     samples = alternate({name: steps[key] for name, key in names.items()}, args.rounds, args.warmup)
     medians = {names[name]: median(values) for name, values in samples.items()}
@@ -258,6 +364,8 @@ def main() -> None:
             + ", ".join(f"{what.removeprefix('part: ')} {value / auto:.2f}" for what, value in parts.items()),
         }
     )
+    for width in (1, *WIDTHS):
+        headline += within_reach_rows(medians, width)
     fine_loop = medians[("fp32", FINE_LOOP)] / medians[("fp32", FINE_GROUPED)]
     headline += [
         {
@@ -290,7 +398,8 @@ def main() -> None:
             f"One MoE layer: dim {DIM}, {N_EXPERTS} experts of hidden {EXPERT_HIDDEN}, top-{TOP_K}, softmax router, "
             f"dropless unless stated; {tokens} tokens ({BATCH} x {SEQ}) per step, training mode. Dense: SwiGLU of "
             f"hidden {TOP_K * EXPERT_HIDDEN} (the MoE layer's active size without the router). bf16: CPU autocast "
-            f"over fp32 weights. Medians of {args.rounds} alternating rounds after {args.warmup} warm-up rounds; "
+            f"over fp32 weights. Medians of {args.rounds} alternating rounds after {args.warmup} warm-up rounds, "
+            "each sample the mean of as many calls as last 0.1 s (at least one); "
             "speed_vs_*: that layer's median time over this row's (higher is faster); time_vs_moe_grouped: this "
             "row's median over the grouped MoE layer's (the routers' share of the layer). Fine-grained rows: "
             f"{4 * N_EXPERTS} experts of hidden {EXPERT_HIDDEN // 4}, top-{4 * TOP_K}, compared with their own loop. "

@@ -14,30 +14,34 @@ import torch
 
 from forge_lm.train import cpu_memory, loop
 
-# Four 8 MiB tensors written and freed, six times, counting the process's minor page faults per
-# round: first with glibc's mmap threshold held at its starting value (128 KiB: every tensor is a
+# Tensors written and freed, six rounds, counting the process's minor page faults per round:
+# first with glibc's mmap threshold held at its starting value (128 KiB: every tensor is a
 # mapping of its own, given back when freed and faulted in again on every round; glibc's
 # adaptive default does that or not depending on what else sits on the heap), then after
-# keep_freed_memory().
+# keep_freed_memory(). Four 8 MiB tensors, and two of 40 MiB: above the 32 MiB that glibc's
+# mmap threshold can be raised to, so only M_MMAP_MAX = 0 keeps those on the heap.
 CHURN = textwrap.dedent(
     """
     import ctypes, json, resource, sys
     import torch
     from forge_lm.train.cpu_memory import M_MMAP_THRESHOLD, keep_freed_memory
 
-    def faults_per_round():
+    MIB = 1024 * 1024 // 4  # fp32 elements per MiB
+
+    def faults_per_round(mib):
         counts = []
         for _ in range(6):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            tensors = [torch.empty(2 * 1024 * 1024).fill_(1.0) for _ in range(4)]
+            tensors = [torch.empty(size * MIB).fill_(1.0) for size in mib]
             del tensors
             counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         return counts[2:]  # the first rounds fault the memory in either way (the heap settling)
 
+    sizes = {"small": [8] * 4, "large": [40] * 2}
     assert ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1
-    default = faults_per_round()
+    default = {name: faults_per_round(mib) for name, mib in sizes.items()}
     done = keep_freed_memory()
-    kept = faults_per_round()
+    kept = {name: faults_per_round(mib) for name, mib in sizes.items()}
     print(json.dumps({"default": default, "done": done, "kept": kept}))
     """
 )
@@ -47,10 +51,10 @@ CHURN = textwrap.dedent(
 def test_kept_memory_is_not_faulted_in_again_on_every_step():
     result = subprocess.run([sys.executable, "-c", CHURN], capture_output=True, text=True, timeout=120, check=True)
     counts = json.loads(result.stdout)
-    assert counts["done"] == "kept (glibc malloc thresholds raised)"
-    pages = 4 * 8 * 1024 * 1024 // 4096
-    assert min(counts["default"]) > pages // 2, counts  # each round faults its pages in again
-    assert max(counts["kept"]) < pages // 50, counts  # kept: the freed memory is reused
+    assert counts["done"] == cpu_memory.KEPT == "kept (glibc malloc: no mmap, thresholds raised)"
+    for name, pages in (("small", 4 * 8 * 256), ("large", 2 * 40 * 256)):  # 256 pages of 4 KiB per MiB
+        assert min(counts["default"][name]) > pages // 2, counts  # each round faults its pages in again
+        assert max(counts["kept"][name]) < pages // 50, counts  # kept: the freed memory is reused
 
 
 class FakeLibc:
@@ -68,8 +72,9 @@ def test_the_thresholds_set_are_glibcs_mmap_and_trim(monkeypatch):
     libc = FakeLibc(1)
     monkeypatch.setattr(platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.setattr(cpu_memory, "_libc", lambda: libc)
-    assert cpu_memory.keep_freed_memory() == "kept (glibc malloc thresholds raised)"
-    assert libc.calls == [(-3, 32 * 1024 * 1024), (-1, 2**31 - 1)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    assert cpu_memory.keep_freed_memory() == "kept (glibc malloc: no mmap, thresholds raised)"
+    # glibc's malloc.h: M_MMAP_THRESHOLD -3, M_MMAP_MAX -4, M_TRIM_THRESHOLD -1.
+    assert libc.calls == [(-3, 32 * 1024 * 1024), (-4, 0), (-1, 2**31 - 1)]
 
 
 def test_other_c_libraries_and_refusals_change_nothing(monkeypatch):
@@ -79,7 +84,7 @@ def test_other_c_libraries_and_refusals_change_nothing(monkeypatch):
     monkeypatch.setattr(cpu_memory, "_libc", lambda: object())
     assert cpu_memory.keep_freed_memory() == "not changed: this C library has no mallopt"
     monkeypatch.setattr(cpu_memory, "_libc", lambda: FakeLibc(0))
-    assert cpu_memory.keep_freed_memory() == "not changed: mallopt rejected the thresholds"
+    assert cpu_memory.keep_freed_memory() == "not kept: mallopt rejected M_MMAP_THRESHOLD, M_MMAP_MAX, M_TRIM_THRESHOLD"
 
 
 def test_the_run_keeps_memory_only_on_cpu_and_when_asked(monkeypatch):

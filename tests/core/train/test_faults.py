@@ -180,7 +180,7 @@ def test_signal_saves_exits_75_and_resume_is_bitwise_identical(site, straight, t
     # the default kernel: oneDNN's fp32 products where torch has them (and still bitwise on resume)
     assert first["cpu_linear_kernel"] == ("onednn" if onednn_available() else "aten")
     # glibc here: freed memory is kept in the process (forge_lm.train.cpu_memory)
-    assert first["cpu_memory"] == "kept (glibc malloc thresholds raised)"
+    assert first["cpu_memory"] == "kept (glibc malloc: no mmap, thresholds raised)"
     assert (preempted["signal"], preempted["step"]) == (sig, 6)
     assert (stopped_end["status"], stopped_end["exit_code"]) == ("interrupted", 75)
     assert (second["resuming"], resume["from_step"], resume["checkpoint"]) == (True, 6, "step_6")

@@ -195,8 +195,8 @@ class TrainSection:
     cpu_keep_freed_memory: bool = attrs.field(
         default=True,
         metadata=_doc(
-            "On CPU with glibc, keep freed memory in the process (malloc's mmap and trim thresholds raised), "
-            "so that each step's activations do not page-fault in afresh; the process keeps its peak memory. "
+            "On CPU with glibc, keep freed memory in the process (malloc's own mappings off, its trim threshold "
+            "raised), so that each step's activations do not page-fault in afresh; the process keeps its peak memory. "
             "Process-wide, for the rest of the process."
         ),
     )

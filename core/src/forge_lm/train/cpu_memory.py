@@ -12,6 +12,12 @@ tcmalloc solves for CPU training; glibc can be told the same at run time with ``
 
 - ``M_MMAP_THRESHOLD`` at glibc's ceiling on 64-bit (32 MiB): blocks up to that size come from
   the heap, whose freed memory is reused, instead of their own mappings;
+- ``M_MMAP_MAX`` at 0: no block gets a mapping of its own, whatever its size. The threshold
+  cannot go above 32 MiB, so without this the larger blocks (a stacked MoE weight's gradient,
+  the logits of a large vocabulary) would still be mapped, and faulted in afresh every step:
+  25,000 page faults per step in ``benchmarks/bench_moe.py``'s layer at 4x the width, whose
+  three weight gradients are 32 MiB each, and none with it. Where the heap cannot grow, glibc
+  still falls back to a mapping;
 - ``M_TRIM_THRESHOLD`` at 2 GiB: the heap keeps up to that much free memory at its top.
 
 The process's resident memory then stays near its peak instead of falling between steps, which
@@ -30,8 +36,15 @@ from typing import Any
 # mallopt's parameter numbers (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's largest accepted value on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes a C int: 2 GiB less a byte
+_SETTINGS = (
+    ("M_MMAP_THRESHOLD", M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+    ("M_MMAP_MAX", M_MMAP_MAX, 0),
+    ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+)
+KEPT = "kept (glibc malloc: no mmap, thresholds raised)"
 
 
 def _libc() -> Any:
@@ -40,8 +53,8 @@ def _libc() -> Any:
 
 
 def keep_freed_memory() -> str:
-    """Set glibc's thresholds (see the module docstring); returns what was done, for the run's
-    event log: ``"kept (glibc malloc thresholds raised)"``, or why nothing was."""
+    """Set glibc's ``malloc`` parameters (see the module docstring); returns what was done, for
+    the run's event log: ``"kept (glibc malloc: no mmap, thresholds raised)"``, or why not."""
     name, _version = platform.libc_ver()
     if name != "glibc":
         return f"not changed: the C library is {name or 'unknown'}, not glibc"
@@ -50,6 +63,7 @@ def keep_freed_memory() -> str:
         return "not changed: this C library has no mallopt"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success and 0 when it rejects a value.
-    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
-        return "not changed: mallopt rejected the thresholds"
-    return "kept (glibc malloc thresholds raised)"
+    rejected = [name for name, parameter, value in _SETTINGS if not mallopt(parameter, value)]
+    if rejected:
+        return f"not kept: mallopt rejected {', '.join(rejected)}"
+    return KEPT
