@@ -14,6 +14,7 @@ from forge_lm.errors import ConfigError
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.train import train
 from forge_lm.train.inference import load_for_inference
+from forge_lm.train.preflight import validation_report
 
 PROBE = "def probe(x):\n    return x + 1\n"
 
@@ -102,4 +103,23 @@ def test_an_unknown_evaluator_is_a_config_error_naming_the_category(tiny_config)
 def test_evaluators_do_not_run_when_evaluation_is_off(tiny_config, manager, probe):
     train(tiny_config('--eval.evaluators=["probe"]', "--eval.interval=0"), manager)
     assert probe.seen == []
+    assert probe.contexts == []
+
+
+@pytest.mark.parametrize(
+    ("layout", "refused"),
+    [
+        (("--distributed.pp=2", "--model.tie_embeddings=false", "--train.grad_accum_steps=2"), "pp = 2"),
+        (("--distributed.cp=2",), "cp = 2"),
+    ],
+    ids=["pipeline", "context"],
+)
+def test_validation_refuses_evaluators_under_pipeline_or_context_parallelism(
+    tiny_config, manager, probe, layout, refused
+):
+    # forge config validate's check, before any process starts or anything is built.
+    with pytest.raises(ConfigError, match=rf"\[distributed\] {refused} cannot run \[eval\] evaluators.*train with"):
+        validation_report(tiny_config('--eval.evaluators=["probe"]', *layout), manager.registry)
+    validation_report(tiny_config(*layout), manager.registry)  # the layout alone is valid
+    validation_report(tiny_config('--eval.evaluators=["probe"]', "--eval.interval=0", *layout), manager.registry)
     assert probe.contexts == []

@@ -118,9 +118,7 @@ def test_pipeline_parallelism_is_refused_by_the_core(tmp_path):
     done = torchrun(["-m", "forge_lm", "train", *TRAINING, *overrides], nproc=2, cwd=TASKS, timeout=600)
 
     assert done.returncode != 0  # torchrun's own code for a failed rank; each rank's forge exited 2
-    assert "forge: error: [eval] evaluators run the whole model on each rank and cannot run under pipeline" in (
-        done.stderr
-    )
+    assert "forge: error: [distributed] pp = 2 cannot run [eval] evaluators" in done.stderr
     assert "forge_lm/" not in done.stderr  # a message, not a traceback through Forge (torchrun adds its own)
 
 

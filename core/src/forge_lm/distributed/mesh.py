@@ -145,6 +145,16 @@ class ParallelDims:
                 )
         if self.cp > 1:
             problems.extend(_context_parallel_problems(self, config))
+        if config.eval.evaluators and config.eval.interval:
+            # An evaluator calls the whole model's forward on whole sequences: a pipeline stage holds
+            # a part of the model, and under context parallelism the model takes slices of sequences.
+            for name, degree, holds in (("pp", self.pp, "each stage holds part of the model"),
+                                        ("cp", self.cp, "each rank holds part of every sequence")):  # fmt: skip
+                if degree > 1:
+                    problems.append(
+                        f"{name} = {degree} cannot run [eval] evaluators, which run the whole model on whole "
+                        f"sequences on each rank ({holds}); remove them or train with {name} = 1"
+                    )
         if problems:
             raise ConfigError("[distributed] " + "; ".join(problems) + ".")
 

@@ -205,15 +205,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     if config.eval.interval:  # each set's batches are read once here: a set too short fails now
         evaluator = build_eval_sets(config, registry, tokenizer, vocab_size, dp_rank, dp_size, device, dtype)
     evaluators = []
-    if config.eval.evaluators and config.eval.interval:
-        # An evaluator calls the whole model's forward on whole sequences: a pipeline stage is a
-        # part of the model, and under context parallelism the model takes slices of sequences.
-        for degree, kind in (("pp", "pipeline"), ("cp", "context")):
-            if getattr(dims, degree) > 1:
-                raise ConfigError(
-                    f"[eval] evaluators run the whole model on each rank and cannot run under {kind} parallelism "
-                    f"([distributed] {degree} = {getattr(dims, degree)}); remove them or train with {degree} = 1"
-                )
+    if config.eval.evaluators and config.eval.interval:  # not under pp or cp: ParallelDims.check refused those
         evaluator_context = EvaluatorContext(
             run_dir=Path(config.train.output_dir),
             tokenizer=tokenizer,
