@@ -17,6 +17,18 @@ from lm_eval.utils import handle_non_serializable, make_table
 
 from forge_lm.errors import ForgeError, did_you_mean
 from forge_lm_eval.lm import generation_settings
+from forge_lm_eval.safety import (
+    describe_template_error,
+    refuse_task_code,
+    sandbox_templates,
+    scan_task_files,
+    template_error,
+)
+
+# Task templates come from untrusted files; lm-eval's own Jinja environment would let them run
+# Python. Every template lm-eval renders in this process goes through a sandbox from here on,
+# before any task is loaded (forge_lm_eval.safety says how).
+sandbox_templates()
 
 TASK_FILE_SUFFIXES = (".yaml", ".yml")
 
@@ -51,6 +63,10 @@ class TaskSet:
             if not directory.is_dir():
                 raise ForgeError(f"task directory '{given}' (include_path) is not a directory")
         local = sorted({*map(str, directories), *(str(path.parent) for path in files)})
+        # lm-eval imports `!function` code while it loads a file, so every file it may load for these
+        # tasks is scanned first, and code in them is refused unless the user trusts it.
+        self.scan = scan_task_files(files, [Path(directory) for directory in local])
+        refuse_task_code(self.scan)
         names = [spec for spec in specs if not is_task_file(spec)]
         self.manager = TaskManager(include_path=local or None, include_defaults=False)
         if any(name not in self.manager.all_tasks for name in names):
@@ -68,6 +84,8 @@ class TaskSet:
         try:
             loaded = self.manager.load(self.specs)
         except Exception as exc:  # a task config or its dataset may fail in any way
+            if (stopped := template_error(exc)) is not None:
+                raise describe_template_error(stopped, self.scan, specs) from None
             raise ForgeError(f"lm-eval could not load the tasks {list(specs)}: {type(exc).__name__}: {exc}") from exc
         for name, task in loaded["tasks"].items():
             if task.get_config("output_type") == "generate_until":
@@ -85,14 +103,19 @@ def run_tasks(
     drawing the numbers it would have drawn without the evaluation.
     """
     with _global_rngs_restored(lm.device):
-        results = simple_evaluate(
-            model=lm,
-            tasks=list(tasks.specs),
-            task_manager=tasks.manager,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            log_samples=False,
-        )
+        try:
+            results = simple_evaluate(
+                model=lm,
+                tasks=list(tasks.specs),
+                task_manager=tasks.manager,
+                limit=limit,
+                num_fewshot=num_fewshot,
+                log_samples=False,
+            )
+        except Exception as exc:  # a template may reach for Python internals on any document
+            if (stopped := template_error(exc)) is not None:
+                raise describe_template_error(stopped, tasks.scan, tasks.specs) from None
+            raise
     if results is None:
         return None
     # lm-eval's own JSON output goes through the same conversion (NumPy numbers, sets, callables).
