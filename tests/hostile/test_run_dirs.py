@@ -1,6 +1,6 @@
 """Hostile and broken run directories: locked by a live run or a dead one, read-only, in the
-way of a file, with a corrupt config.toml or plugins.json; and starts that fail or are
-signalled before their first step, which must leave nothing behind.
+way of a file, with a corrupt config.toml or plugins.json, with links among its files; and
+starts that fail or are signalled before their first step, which must leave nothing behind.
 
 Read-only cases are honest under root, which ignores permission bits: while such a case
 runs, this process leaves out CAP_DAC_OVERRIDE (and CAP_DAC_READ_SEARCH) from its effective
@@ -187,6 +187,48 @@ def _file_at(relative: str, content: bytes = b"not a directory\n") -> Callable[[
         path.write_bytes(content)
 
     return setup
+
+
+OUTSIDE = "outside/victim.txt"  # a user's file outside the run, which a link in the run points to
+
+
+def _linked_out(relative: str, *, dangling: bool = False) -> Callable[[Workspace], None]:
+    """``run/<relative>`` (replaced if there) becomes a link to a file outside the run (or to a
+    place where nothing is yet, if ``dangling``)."""
+
+    def setup(ws: Workspace) -> None:
+        outside = ws.root / OUTSIDE
+        outside.parent.mkdir(exist_ok=True)
+        if not dangling:
+            outside.write_bytes(b"precious: not Forge's to write\n")
+        link = ws.run / relative
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(outside)
+
+    return setup
+
+
+def _checkpoints_linked_to_a_copy(ws: Workspace) -> None:
+    """``run/checkpoints`` is a link to another run's checkpoints (here a copy of this run's)."""
+    other = ws.root / "other-run-checkpoints"
+    shutil.copytree(ws.checkpoints, other, symlinks=True)
+    shutil.rmtree(ws.checkpoints)
+    ws.checkpoints.symlink_to(other, target_is_directory=True)
+
+
+def _deeply_nested_metrics_line(ws: Workspace) -> None:
+    with (ws.run / "metrics.jsonl").open("a") as metrics:
+        metrics.write("[" * 100_000 + "]" * 100_000 + "\n")
+
+
+def _nothing_at_the_links_target(ws: Workspace, outcome: Outcome) -> None:
+    assert not os.path.lexists(ws.root / OUTSIDE), "a file was created through the link"
+
+
+def _eval_link_left_alone(ws: Workspace, outcome: Outcome) -> None:
+    _nothing_at_the_links_target(ws, outcome)
+    assert (ws.run / "eval" / "step_4.json").is_symlink()
 
 
 def _config_toml(content: bytes | None) -> Callable[[Workspace], None]:
@@ -404,8 +446,16 @@ _file_run = _unchanged(_file_at("run"))
 _file_parent = _unchanged(_file_at("afile"))
 _lock_dir = _unchanged(lambda ws: (ws.run / LOCK).mkdir())
 _checkpoints_file = _unchanged(_file_at("run/checkpoints"))
+_lock_link = _unchanged(_linked_out(LOCK))
+_dangling_lock_link = _unchanged(_linked_out(LOCK, dangling=True))
+_metrics_link = _unchanged(_linked_out("metrics.jsonl"))
+_events_link = _unchanged(_linked_out("events.jsonl"))
+_checkpoints_link = _unchanged(_checkpoints_linked_to_a_copy)
+_deep_metrics = _unchanged(_deeply_nested_metrics_line)
 
 HELD = r"forge: error: \[train\] output_dir: '.*/run' is in use by another run: pid \d+ on host "
+LINKED = r"forge: error: '.*/run/{}' is a symbolic link \(to '.*/{}'\); Forge does not follow links inside a run "
+LINKED += "directory"
 CANNOT_RESUME = r"forge: error: cannot resume the run in '.*/run': "
 
 CASES = [
@@ -593,6 +643,72 @@ CASES = [
         _no_checkpoint_and_another_model,
         needs_run=True,
         check=_config_replaced,
+    ),
+    # -- links inside the run directory: refused before anything is written, never followed ---------------
+    Case(
+        "lock-file-is-a-link-out-of-the-run",
+        RESUME,
+        2,
+        LINKED.format(r"\.lock", OUTSIDE),
+        _lock_link[0],
+        needs_run=True,
+        check=_lock_link[1],
+    ),
+    Case(
+        "lock-file-is-a-dangling-link",
+        FRESH,
+        2,
+        LINKED.format(r"\.lock", OUTSIDE),
+        _dangling_lock_link[0],
+        check=_both(_dangling_lock_link[1], _nothing_at_the_links_target),
+    ),
+    Case(
+        "metrics-jsonl-is-a-link-out-of-the-run",
+        RESUME,
+        2,
+        LINKED.format(r"metrics\.jsonl", OUTSIDE),
+        _metrics_link[0],
+        needs_run=True,
+        check=_metrics_link[1],
+    ),
+    Case(
+        "events-jsonl-is-a-link-out-of-the-run",
+        RESUME,
+        2,
+        LINKED.format(r"events\.jsonl", OUTSIDE),
+        _events_link[0],
+        needs_run=True,
+        check=_events_link[1],
+    ),
+    Case(
+        "checkpoints-is-a-link-to-another-runs",
+        (*RESUME, "--checkpoint.keep_last_n=1"),
+        2,
+        LINKED.format("checkpoints", "other-run-checkpoints")
+        + r".* Replace the link by a copy of what it points to, or remove it, or choose another train\.output_dir\.$",
+        _checkpoints_link[0],
+        needs_run=True,
+        check=_checkpoints_link[1],  # the other run's checkpoints neither resumed from nor pruned
+    ),
+    Case(
+        "eval-output-is-a-dangling-link",
+        ("eval", "{run}", "--tasks", "any-task"),
+        2,
+        LINKED.format(r"eval/step_4\.json", OUTSIDE) + r".* Remove the link, or write the results elsewhere with "
+        r"--output PATH\.$",
+        _linked_out("eval/step_4.json", dangling=True),
+        needs_run=True,
+        check=_eval_link_left_alone,
+    ),
+    Case(
+        "metrics-line-nested-too-deeply",
+        ("plot", "{run}"),
+        2,
+        r"forge: error: .*/run/metrics\.jsonl: line \d+ is nested too deeply to be read as JSON\. Remove or repair "
+        r"that line to plot the rest\.$",
+        _deep_metrics[0],
+        needs_run=True,
+        check=_deep_metrics[1],
     ),
     # -- starts that fail at the first batch: nothing written ---------------------------------------
     Case(

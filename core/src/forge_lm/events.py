@@ -60,7 +60,8 @@ class EventLog:
         line.update((str(key), _plain(value)) for key, value in fields.items() if key not in line)
         data = (json.dumps(line, allow_nan=False) + "\n").encode()
         try:
-            descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # O_NOFOLLOW: a link at events.jsonl fails (ELOOP, reported below) instead of being appended through.
+            descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
                 os.write(descriptor, data)
             finally:

@@ -5,7 +5,9 @@ command finds it through the plugin registry like any component, so a missing pl
 switch turns off, is one message (exit 2) saying what to install or enable. The evaluator runs
 on the loaded model as it runs during training; its ``table`` (lm-eval's results table) is
 printed and its ``results`` (lm-eval's results, JSON) written to ``<run>/eval/step_<N>.json``,
-or to ``--output``.
+or to ``--output``. Links in the run are not followed: an ``eval/`` or a results file there
+that is a link is refused before anything is loaded (exit 2), and the results file is created
+anew, never written through a link put there meanwhile.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ HELP = "run lm-evaluation-harness tasks on a checkpoint (needs the forge-lm-eval
 TAKES_OVERRIDES = False
 EVALUATOR = "lm_eval"
 RESULTS_DIR = "eval"
+LINK_FIX = "Remove the link, or write the results elsewhere with --output PATH."
 
 
 def add_arguments(parser) -> None:
@@ -53,6 +56,7 @@ def run(args, overrides, plugins) -> int:
     from forge_lm.config import ComponentConfig, structure_options
     from forge_lm.errors import ConfigError, ForgeError, PluginError, UsageError
     from forge_lm.plugins._hints import known_provider
+    from forge_lm.run_links import make_dirs, write_text
     from forge_lm.train.inference import load_for_inference
 
     manager = plugins()
@@ -79,7 +83,7 @@ def run(args, overrides, plugins) -> int:
         message = re.sub(rf"\[eval\.{EVALUATOR}\] (\w+):", lambda m: f"--{m[1].replace('_', '-')}:", str(exc))
         raise UsageError(message) from None
     checkpoint, run_dir, step = _checkpoint(Path(args.checkpoint))
-    output = Path(args.output) if args.output else _results_path(run_dir, step)
+    output = Path(args.output) if args.output else _results_path(run_dir, step)  # refuses a link there
     model, config, tokenizer = load_for_inference(checkpoint, manager)
     context = EvaluatorContext(
         run_dir=run_dir,
@@ -101,9 +105,14 @@ def run(args, overrides, plugins) -> int:
         raise ForgeError(f"evaluator '{EVALUATOR}' ({component.plugin.label}) returned no results to write")
     print(getattr(evaluator, "table", ""))
     results["forge"] = {"run": str(run_dir), "checkpoint": str(checkpoint), "step": step}
+    text = json.dumps(results, indent=2, ensure_ascii=False) + "\n"
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        if args.output:  # the user's own choice of a path
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(text, encoding="utf-8")
+        else:  # inside the run: created anew, through no link
+            make_dirs(run_dir, RESULTS_DIR, fix=LINK_FIX)
+            write_text(output, text, new=True)
     except OSError as exc:
         raise ForgeError(f"cannot write the results to '{output}': {exc.strerror or exc}") from None
     print(f"wrote the results of step {step} to {output}")
@@ -133,11 +142,18 @@ def _checkpoint(path):
 
 
 def _results_path(run_dir, step):
-    """``<run>/eval/step_<N>.json``, or ``step_<N>-2.json``... when taken: results are never replaced."""
+    """``<run>/eval/step_<N>.json``, or ``step_<N>-2.json``... when taken: results are never replaced.
+    An ``eval/`` or a results file that is a link (dangling or not) is refused, naming it."""
+    import os
+
+    from forge_lm.run_links import refuse_links
+
+    refuse_links(run_dir, [RESULTS_DIR], LINK_FIX)
     directory = run_dir / RESULTS_DIR
     stem = f"step_{step}"
     path, number = directory / f"{stem}.json", 1
-    while path.exists():
+    while os.path.lexists(path):
+        refuse_links(directory, [path.name], LINK_FIX)
         number += 1
         path = directory / f"{stem}-{number}.json"
     return path

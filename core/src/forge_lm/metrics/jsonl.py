@@ -1,12 +1,14 @@
 """Metrics as JSON lines in the run directory.
 
 The file is opened for appending and flushed after every line, so a resumed run adds to
-what the interrupted one wrote and a crash loses at most the line being written.
+what the interrupted one wrote and a crash loses at most the line being written. A link at its
+place is not followed (the backend fails to start instead): it would append outside the run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,8 @@ class JsonlBackend:
 
     def start(self, config: Mapping[str, Any], manifest: Sequence[Mapping[str, str]]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW  # a link there: ELOOP, never followed
+        self._file = os.fdopen(os.open(self.path, flags, 0o644), "a", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         # NaN and Inf are written as JSON's common extension (NaN, Infinity), which json reads back.
@@ -38,7 +41,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """Every record of a metrics file, in order.
 
     A last line that is cut short (no newline, not JSON) is what a crash in the middle of a
-    write leaves, and is skipped. Any other line that is not JSON raises ValueError naming it.
+    write leaves, and is skipped. Any other line that is not JSON, or is nested too deeply for
+    the JSON reader (a hostile file), raises ValueError naming it.
     """
     records = []
     with Path(path).open(encoding="utf-8") as handle:
@@ -47,9 +51,11 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                 continue
             try:
                 records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, RecursionError) as exc:
                 if not line.endswith("\n"):
                     break  # the line being written when the run stopped: nothing follows it
+                if isinstance(exc, RecursionError):  # valid or not, too deep for the reader: a hostile line
+                    raise ValueError(f"{path}: line {number} is nested too deeply to be read as JSON") from None
                 raise ValueError(f"{path}: line {number} is not valid JSON: {exc.msg}") from None
     return records
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from forge_lm.errors import PluginError, UsageError
 from forge_lm.metrics import EVAL_LOSS, LEARNING_RATE, LOSS, TOKENS_PER_SECOND
+from forge_lm.run_links import refuse_links
 
 INSTALL_HINT = "pip install forge-lm[plot]"
 METRICS_FILE = "metrics.jsonl"
@@ -281,6 +282,8 @@ def plot_runs(run_dirs: Sequence[str | Path], output: str | Path | None = None, 
             notes.extend(file_notes)
     if output is None:
         output = metrics_files[0].parent / (SINGLE_OUTPUT if len(runs) == 1 else COMPARE_OUTPUT)
+        # In the run: a link there is refused, not written through (out of the run).
+        refuse_links(output.parent, [output.name], "Remove the link, or name the image with --output PNG.")
     output = Path(output)
     figure = build_figure(runs, title=next(iter(runs)) if len(runs) == 1 else "")
     try:

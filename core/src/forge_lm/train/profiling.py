@@ -52,6 +52,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from forge_lm.config import ProfilingSection
+from forge_lm.run_links import make_dirs
 
 PROFILES_DIR = "profiles"
 SUMMARY_FORMAT = 1  # the version of the ops_step*.json layout, read back by `forge profile`
@@ -154,6 +155,7 @@ class StepProfiler:
         self.section = section
         self.rank = rank
         self.device = torch.device(device)
+        self.run_dir = Path(run_dir)
         self.out_dir = rank_dir(run_dir, rank)
         self.written: list[Path] = []  # every file this profiler wrote, in order (for tests and messages)
         self._prof: Any = None
@@ -278,8 +280,12 @@ class StepProfiler:
         except Exception as exc:  # noqa: BLE001 - a full disk or a torch export bug: the run goes on
             _warn(f"could not write the profile of steps {first}-{last} to {self.out_dir}: {exc}")
 
+    def _make_out_dir(self) -> None:
+        """``profiles/rank<R>/``, refusing (an error, warned about) a level that is a link."""
+        make_dirs(self.run_dir, PROFILES_DIR, self.out_dir.name, fix="Remove the link.")
+
     def _export(self, prof: Any, steps: tuple[int, int]) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._make_out_dir()
         label = f"step{steps[0]}-{steps[1]}"
         trace = self.out_dir / trace_name(steps)
         _write_atomically(trace, prof.export_chrome_trace)
@@ -331,7 +337,9 @@ class StepProfiler:
     def _dump_snapshot(self, name: str) -> None:
         path = self.out_dir / name
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self._make_out_dir()
+            if path.is_symlink():  # planted in the run: removed, never written through
+                path.unlink()
             torch.cuda.memory._dump_snapshot(str(path))
         except Exception as exc:  # noqa: BLE001 - as for the traces
             _warn(f"could not write the memory snapshot {path}: {exc}")
@@ -349,8 +357,10 @@ class StepProfiler:
 
 def _write_atomically(path: Path, write: Any) -> None:
     """Have ``write(tmp_path)`` write beside ``path``, then move it in place: readers (``forge
-    profile``, a crashed run's leftovers) never see half a file."""
+    profile``, a crashed run's leftovers) never see half a file. Links are never written through:
+    one at the temporary name is removed first, one at ``path`` is replaced."""
     tmp = path.with_name(f".{path.name}.partial")
+    tmp.unlink(missing_ok=True)  # a leftover, or a link planted there: torch would write through it
     try:
         write(str(tmp))
         os.replace(tmp, path)

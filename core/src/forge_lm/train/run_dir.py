@@ -28,6 +28,11 @@ A start that fails leaves nothing behind ("exit 2: nothing written"), in three l
 A resumed run must be able to write: before anything is loaded, the directory and its
 ``checkpoints/`` are probed and the files in it opened for appending, so a read-only run
 directory is a message naming it and the fix (exit 2), not a traceback halfway through.
+
+Links among the run's own entries (:data:`RUN_ENTRIES`, the metrics backends' files) are refused
+before the directory is locked or anything in it is read or written (exit 2, naming the link):
+Forge never follows one out of the run (:mod:`forge_lm.run_links`). The run directory
+itself may be a link.
 """
 
 from __future__ import annotations
@@ -38,14 +43,18 @@ import os
 import shutil
 import sys
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 from forge_lm.checkpoint._io import CHECKPOINTS, LATEST
 from forge_lm.config import ForgeConfig, read_toml, structure_config, to_data, to_toml
 from forge_lm.errors import ConfigError, ForgeError
+from forge_lm.events import EVENTS_FILE
 from forge_lm.plugins import PluginManager, PluginStatus
+from forge_lm.run_links import link_error, refuse_links, write_text
+from forge_lm.train.profiling import PROFILES_DIR
 from forge_lm.train.run_lock import LOCK_FILE, RunLock
+from forge_lm.train.watchdog import HANG_DIR
 
 CONFIG_FILE = "config.toml"
 MANIFEST_FILE = "plugins.json"
@@ -54,6 +63,10 @@ MANIFEST_FILE = "plugins.json"
 # the per-rank batch to keep the global batch.
 FIXED_ON_RESUME = ("model.", "tokenizer.", "optimizer.name", "train.seq_len", "train.seed")
 _NOT_APPENDED = (CONFIG_FILE, MANIFEST_FILE, LOCK_FILE)  # files a resumed run does not write to
+EVAL_DIR = "eval"  # forge eval's results (cli/_eval.py)
+# The run directory's entries that Forge reads or writes: none of them may be a link.
+RUN_ENTRIES = (LOCK_FILE, CONFIG_FILE, MANIFEST_FILE, CHECKPOINTS, EVENTS_FILE, EVAL_DIR, HANG_DIR, PROFILES_DIR)
+LINK_FIX = "Replace the link by a copy of what it points to, or remove it, or choose another train.output_dir."
 
 
 class RunDirectory:
@@ -77,6 +90,7 @@ class RunDirectory:
 
         Returns ``(run_dir, resuming)``."""
         self._created = _make_dirs(self.path)
+        refuse_links(self.path, _entries(self.path, config), LINK_FIX)  # before the lock file is opened
         lock = RunLock(self.path)
         try:
             lock.acquire()
@@ -110,6 +124,18 @@ class RunDirectory:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(failed=exc_type is not None)
+
+
+def _entries(run_dir: Path, config: ForgeConfig) -> list[str]:
+    """The entries of ``run_dir`` this run reads or writes: :data:`RUN_ENTRIES`, the records of
+    earlier resumes, and the files or folders of the metrics backends (``metrics.jsonl``)."""
+    entries = [*RUN_ENTRIES, *(p.name for p in run_dir.glob("config.resume-*.toml"))]
+    for backend in config.metrics.backends:
+        for option in ("filename", "subdir"):
+            value = getattr(backend.options, option, None)
+            if isinstance(value, str) and PurePath(value).parts:
+                entries.append(PurePath(value).parts[0])
+    return entries
 
 
 def _prepare(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> tuple[bool, Path | None]:
@@ -241,8 +267,13 @@ def _check_writable(run_dir: Path) -> None:
                 os.close(fd)
                 os.unlink(probe)
         for place in sorted(run_dir.iterdir()):
-            if place.name not in _NOT_APPENDED and not place.name.startswith("config.") and place.is_file():
-                os.close(os.open(place, os.O_WRONLY | os.O_APPEND))  # what a metrics backend does; writes nothing
+            if (
+                place.name not in _NOT_APPENDED
+                and not place.name.startswith("config.")
+                and not place.is_symlink()  # never followed (the run's own entries were refused as links)
+                and place.is_file()
+            ):
+                os.close(os.open(place, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW))  # as a metrics backend; no write
     except OSError as exc:
         raise ForgeError(
             f"cannot resume the run in '{run_dir}': '{place}' cannot be written ({exc.strerror}). "
@@ -258,6 +289,8 @@ def _writable_fix(run_dir: Path) -> str:
 
 
 def _cannot_lock(run_dir: Path, lock_path: Path, exc: OSError) -> ForgeError:
+    if lock_path.is_symlink():  # put there after the links were refused: not followed (ELOOP)
+        return link_error(lock_path, LINK_FIX)
     if exc.errno == errno.EISDIR or lock_path.is_dir():
         return ForgeError(
             f"[train] output_dir: cannot lock '{run_dir}': '{lock_path}' is a directory, but Forge keeps the run's "
@@ -341,7 +374,7 @@ def _loaded(manifest: list[dict[str, str]]) -> list[dict[str, str]]:
 
 def _write(path: Path, text: str) -> None:
     try:
-        path.write_text(text, encoding="utf-8")
+        write_text(path, text)  # a link at path is not followed (ELOOP)
     except OSError as exc:
         raise ConfigError(f"[train] output_dir: cannot write to '{path.parent}': {exc.strerror}.") from None
 

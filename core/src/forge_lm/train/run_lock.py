@@ -64,7 +64,8 @@ def describe(holder: dict[str, Any] | None) -> str:
 class RunLock:
     """The lock of one run directory (which must exist). ``acquire`` raises :class:`RunDirLocked`
     when another run holds it and ``OSError`` when the lock file cannot be created or opened
-    (a read-only directory, a directory named ``.lock``); ``release`` is idempotent."""
+    (a read-only directory, a directory named ``.lock``, a link named ``.lock``: never followed);
+    ``release`` is idempotent."""
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.run_dir = Path(run_dir)
@@ -79,7 +80,8 @@ class RunLock:
         if self._fd is not None:
             raise RuntimeError(f"the lock of '{self.run_dir}' is already held")
         for _ in range(_ATTEMPTS):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            # O_NOFOLLOW: a link planted at .lock is not followed (ELOOP), whatever it points to is never truncated.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
                 if self._try(fd):
                     self._fd = fd
@@ -164,9 +166,9 @@ def _read(fd: int) -> dict[str, Any] | None:
 
 
 def _names(fd: int, path: Path) -> bool:
-    """Whether ``path`` is still the file open as ``fd``."""
+    """Whether ``path`` is still the file open as ``fd`` (itself, not a link to it)."""
     try:
-        here = os.stat(path)
+        here = os.lstat(path)
     except FileNotFoundError:
         return False
     mine = os.fstat(fd)

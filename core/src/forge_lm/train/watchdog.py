@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import TextIO
 
 from forge_lm import events
+from forge_lm.run_links import make_dirs, open_to_write
 
 HANG_EXIT_CODE = 77
+HANG_DIR = "hang"  # <run>/hang/rank<R>.txt
 
 # Writing the stacks or the event may itself hang: a hung file system is a common reason for a
 # hang. Each is given this long before the watchdog goes on without it and still exits.
@@ -49,7 +51,7 @@ class HangWatchdog:
 
     @property
     def stacks_path(self) -> Path:
-        return self.run_dir / "hang" / f"rank{self.rank}.txt"
+        return self.run_dir / HANG_DIR / f"rank{self.rank}.txt"
 
     def __enter__(self) -> HangWatchdog:
         if self.timeout > 0:
@@ -100,7 +102,7 @@ class HangWatchdog:
             print(
                 f"forge: error: no optimizer step completed in {self.timeout:g} s (resilience.hang_timeout); wrote "
                 f"the Python stacks of rank {self.rank} to {where}; exiting with {HANG_EXIT_CODE}. Compare the "
-                f"stacks of every rank in {self.run_dir / 'hang'}: a rank stuck outside the collective that the "
+                f"stacks of every rank in {self.run_dir / HANG_DIR}: a rank stuck outside the collective that the "
                 "others wait in is the cause. Run the same command to resume from the newest checkpoint; raise "
                 "resilience.hang_timeout if a step, evaluation or checkpoint legitimately takes longer (0 turns "
                 "the watchdog off).",
@@ -111,8 +113,9 @@ class HangWatchdog:
             os._exit(HANG_EXIT_CODE)
 
     def _write_stacks(self) -> None:
-        self.stacks_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.stacks_path, "w") as file:
+        # Never through a link (a hang/ or rank<R>.txt planted in the run): that fails, and the stacks go to stderr.
+        make_dirs(self.run_dir, HANG_DIR, fix="Remove the link.")
+        with os.fdopen(open_to_write(self.stacks_path), "w") as file:
             _write_header_and_stacks(file, self.rank, self.timeout)
 
 
