@@ -211,6 +211,59 @@ def state_not_json(ws: Workspace) -> None:
     (ws.damage("step_4") / "trainer_state.json").write_bytes(b"\xff\xfe not json")
 
 
+def edit_metadata(edit):
+    """Setup that rewrites step_4's ``.metadata`` (a file Forge wrote: the test may unpickle it)
+    with ``edit(metadata)``, keeping it a well-formed DCP metadata pickle."""
+
+    def setup(ws: Workspace) -> None:
+        path = ws.damage("step_4") / ".metadata"
+        with path.open("rb") as handle:
+            metadata = pickle.load(handle)  # written by this test's own training run
+        edit(metadata)
+        path.write_bytes(pickle.dumps(metadata))
+
+    return setup
+
+
+WQ = "state.model.layers.0.attention.wq.weight"
+EXP_AVG = "state.optimizer.state.layers.0.attention.wq.weight.exp_avg"
+
+
+def no_chunks(key: str):
+    """The tensor ``key`` has no chunk and no storage entry: nothing of it would be loaded."""
+
+    def edit(metadata) -> None:
+        metadata.state_dict_metadata[key].chunks = []
+        metadata.storage_data = {k: v for k, v in metadata.storage_data.items() if k.fqn != key}
+
+    return edit
+
+
+def half_chunk(key: str):
+    """The chunk of ``key`` shrunk to its first half of rows: the rest would stay as it was."""
+
+    def edit(metadata) -> None:
+        import torch
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        (chunk,) = metadata.state_dict_metadata[key].chunks
+        half = torch.Size([chunk.sizes[0] // 2, *chunk.sizes[1:]])
+        metadata.state_dict_metadata[key].chunks = [ChunkStorageMetadata(offsets=chunk.offsets, sizes=half)]
+
+    return edit
+
+
+def chunk_without_storage(key: str):
+    def edit(metadata) -> None:
+        metadata.storage_data = {k: v for k, v in metadata.storage_data.items() if k.fqn != key}
+
+    return edit
+
+
+def _group(index: int, **values):
+    return lambda state: state["optimizer"]["param_groups"][index].update(values)
+
+
 def both_tampered(ws: Workspace) -> None:
     for step in ("step_2", "step_4"):
         path = ws.damage(step) / "trainer_state.json"
@@ -304,6 +357,61 @@ CASES = [
             "tensor-reference-is-a-number": lambda state: state["model"].update(output_weight={"__tensor__": 7}),
             "plugins-is-a-list": _set("trainer.plugins", ["x"]),
             "model-is-missing": lambda state: state.pop("model"),
+            # the optimizer's settings and the scheduler's per-group state
+            "weight-decay-is-a-string": _group(0, weight_decay="x"),
+            "maximize-flipped": _group(0, maximize=True),
+            "eps-hugely-negative": _group(1, eps=-1e30),
+            "lr-is-negative": _group(0, lr=-1.0),
+            "lr-is-infinite": _group(0, lr=float("inf")),
+            "scheduler-base-lrs-short": lambda state: state["trainer"]["scheduler"]["base_lrs"].pop(),
+            "scheduler-last-lr-long": lambda state: state["trainer"]["scheduler"]["_last_lr"].append(1.0),
+        }.items()
+    ),
+    # ... and with the reason named (the optimizer would have refused these, in its own words)
+    *(
+        Case(
+            f"state-{name}",
+            RESUME,
+            0,
+            PASSED_OVER + reason,
+            setup=edit_state(edit),
+            needs_run=True,
+            check=resumed_from(2),
+        )
+        for name, (edit, reason) in {
+            "param-groups-one-fewer": (
+                lambda state: state["optimizer"]["param_groups"].pop(),
+                r"trainer_state\.json: optimizer\.param_groups has 1 groups",
+            ),
+            "param-group-gains-a-key": (_group(0, momentum=0.9), r"trainer_state\.json: optimizer\.param_groups\[0\]"),
+            "optimizer-state-refers-to-another-tensor": (
+                lambda state: state["optimizer"]["state"]["layers.0.attention.wq.weight"].update(
+                    exp_avg={"__tensor__": "state.optimizer.state.layers.0.attention.wk.weight.exp_avg"}
+                ),
+                r"trainer_state\.json: optimizer\.state\['layers\.0\.attention\.wq\.weight'\] refers",
+            ),
+        }.items()
+    ),
+    # .metadata whose chunks do not cover a tensor: passed over, not loaded half-way
+    *(
+        Case(
+            f"metadata-{name}",
+            RESUME,
+            0,
+            PASSED_OVER + reason,
+            setup=edit_metadata(edit),
+            needs_run=True,
+            check=resumed_from(2),
+        )
+        for name, (edit, reason) in {
+            "parameter-with-no-chunks": (no_chunks(WQ), r"the chunks of '.*wq\.weight' do not cover it"),
+            "parameter-chunk-of-half-its-rows": (half_chunk(WQ), r"the chunks of '.*wq\.weight' do not cover it"),
+            "parameter-chunk-without-storage": (chunk_without_storage(WQ), r"no storage is listed for the chunk"),
+            "optimizer-state-chunk-of-half-its-rows": (
+                half_chunk(EXP_AVG),
+                r"the chunks of '.*wq\.weight\.exp_avg' do not cover it",
+            ),
+            "optimizer-state-with-no-chunks": (no_chunks(EXP_AVG), r"the chunks of '.*exp_avg' do not cover it"),
         }.items()
     ),
     Case("state-not-json", RESUME, 0, PASSED_OVER, setup=state_not_json, needs_run=True, check=resumed_from(2)),

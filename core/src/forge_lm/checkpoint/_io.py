@@ -9,7 +9,11 @@ Loading trusts nothing it reads. It tries every ``step_<N>`` directory, newest f
 passes over, with the reason, any that is a link or lies outside ``checkpoints/``, holds
 anything but plain files, has a trainer state that fails its checks (:mod:`._state`) or
 metadata that fails :func:`._safe.read_metadata`, or does not fit the model. A ``latest``
-that names something else than a step directory of this run is reported and ignored.
+that names something else than a step directory of this run is reported and ignored. The
+optimizer's saved state must have the live optimizer's groups, keys and kinds of values; only
+what evolves in training (learning rates, step counts) is restored from it: its settings come
+from the live optimizer, that is from this run's config. A ``checkpoints`` directory that is a
+link is refused outright (loading, saving and pruning).
 Metadata that names code to run stops loading altogether (:class:`UnsafeCheckpointError`).
 """
 
@@ -38,7 +42,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from forge_lm import events
 from forge_lm.checkpoint._safe import DamagedCheckpointError, SafeReader, TensorsOnlyPlanner, UnsafeCheckpointError
 from forge_lm.checkpoint._staging import StagingBuffers
-from forge_lm.checkpoint._state import TRAINER_STATE, read_trainer_state
+from forge_lm.checkpoint._state import (
+    TRAINER_STATE,
+    check_optimizer_state,
+    read_trainer_state,
+    restore_param_groups,
+)
 from forge_lm.checkpoint._tree import join, merge_rank_skeletons, restrict_to_rank, split, tensor_keys
 from forge_lm.distributed.reduce import any_rank, barrier, distributed, from_rank0, rank
 from forge_lm.errors import ForgeError
@@ -84,6 +93,7 @@ class CheckpointManager:
         save (or :meth:`wait`) waits for it first.
         """
         self.wait()
+        self._check_root()
         started = time.perf_counter()
         model_state, optimizer_state = get_state_dict(model, optimizer)
         tensors, skeleton = split({"model": model_state, "optimizer": optimizer_state, "trainer": state}, "state")
@@ -154,10 +164,20 @@ class CheckpointManager:
     def _prune(self) -> None:
         if not self.keep_last_n:
             return
+        self._check_root()
         latest = self.latest()
         complete = [p for p in self.complete() if p != latest]
         for old in complete[: max(0, len(complete) - (self.keep_last_n - 1))]:
             shutil.rmtree(old, ignore_errors=True)  # complete() lists plain directories only
+
+    def _check_root(self) -> None:
+        """Refuse a ``checkpoints`` directory that is a link: saving, pruning and loading through
+        it would write, delete and read in some other place than this run."""
+        if self.root.is_symlink():
+            raise ForgeError(
+                f"'{self.root}' is a link (to '{os.readlink(self.root)}'); a run's checkpoints directory must be a "
+                "plain directory inside it. Replace the link with the directory it points to (or a copy of it)."
+            )
 
     # -- finding --------------------------------------------------------------------------------
 
@@ -207,15 +227,17 @@ class CheckpointManager:
         only: Path | None = None,
     ) -> dict[str, Any] | None:
         """Restore the newest usable checkpoint into ``model`` and ``optimizer``; return its
-        trainer state (with ``step``, ``path`` and ``passed_over``: why newer ones were not
-        used), or None when there is none. ``restore(state)`` restores the rest of the run
-        (scheduler, data position, plugin states); if it raises a ForgeError, ValueError,
+        trainer state (with ``step``, ``path``, ``passed_over``: why newer ones were not
+        used, and ``settings_from_config``: the optimizer settings whose saved value differed
+        from the live optimizer's, which won), or None when there is none. ``restore(state)``
+        restores the rest of the run (scheduler, data position, plugin states); if it raises a ForgeError, ValueError,
         TypeError or KeyError, the checkpoint is passed over like a damaged one.
 
         ``only``: load this step directory or none (``forge generate run/checkpoints/step_N``).
 
         In a distributed run every rank calls it; rank 0 names the candidates, and a checkpoint
         that fails on any rank is passed over on all of them."""
+        self._check_root()
         named, ignored = self._latest()
         if ignored and rank() == 0:
             print(f"forge: warning: {self.root / LATEST}: {ignored.removeprefix(LATEST + ': ')}", file=sys.stderr)
@@ -279,6 +301,7 @@ class CheckpointManager:
         saved = read_trainer_state(path, self._check_place(path))
         model_state, optimizer_state = get_state_dict(model, optimizer)
         skeleton = restrict_to_rank(saved, model_state, optimizer_state)
+        replaced = self._check_optimizer(skeleton, optimizer, optimizer_state)
         reader = SafeReader(str(path))
         stored = reader.read_metadata().state_dict_metadata
         # The model's tensors are loaded in place; the optimizer's into its current state's
@@ -305,7 +328,23 @@ class CheckpointManager:
                     f"it does not fit this model: '{key}' is {tuple(stored[key].size)} there, "
                     f"{tuple(tensor.shape)} here"
                 )
-        return wanted, skeleton, reader
+        return wanted, skeleton, reader, replaced
+
+    @staticmethod
+    def _check_optimizer(skeleton: dict[str, Any], optimizer: torch.optim.Optimizer, live_state: Any) -> list[str]:
+        """Check the saved optimizer state against the live optimizer's and put in ``skeleton`` the
+        parameter groups to load (:func:`._state.restore_param_groups`): settings come from the
+        live optimizer, built from this run's config. Returns the settings whose saved value differed."""
+        if not (isinstance(live_state, dict) and "param_groups" in live_state):
+            return []
+        _, live = split(live_state, "state.optimizer")
+        saved = skeleton["optimizer"]
+        check_optimizer_state(saved.get("state", {}), live.get("state"))
+        groups, replaced = restore_param_groups(
+            saved.get("param_groups"), live["param_groups"], getattr(optimizer, "evolving_group_keys", ())
+        )
+        skeleton["optimizer"] = {**saved, "param_groups": groups}
+        return replaced
 
     def _load(
         self,
@@ -323,13 +362,13 @@ class CheckpointManager:
             problem = exc
         if any_rank(problem is not None):  # every rank passes over it, or none: no rank waits alone
             raise problem or ForgeError("unusable on another rank")
-        wanted, skeleton, reader = prepared
+        wanted, skeleton, reader, replaced = prepared
         with _single_process_quietly():
             dcp.load(wanted, storage_reader=reader, planner=TensorsOnlyPlanner(), no_dist=not distributed())
         full = join(skeleton, wanted)
         set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"])
         restore_rng(full["rng"])
-        state = {"step": full["step"], **full["trainer"], "path": str(path)}
+        state = {"step": full["step"], **full["trainer"], "path": str(path), "settings_from_config": replaced}
         if restore is not None:
             try:
                 restore(state)

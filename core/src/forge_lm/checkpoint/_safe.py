@@ -8,8 +8,9 @@ constructing or ``__setstate__``-ing one only records its arguments. No opcode s
 reach a real callable, because none is reachable: no import, no attribute lookup, no dotted
 names, no persistent ids. :func:`read_metadata` then builds DCP's real ``Metadata`` from the
 recorded data by explicit, typed construction, checking every field on the way: types, ranks
-and sizes of tensors, that each tensor's stored bytes can hold it, and that every data file it
-names is a plain file inside the checkpoint directory.
+and sizes of tensors, that each tensor's chunks cover it exactly once (no gap left unloaded, no
+overlap), that each chunk has exactly one storage entry and its stored bytes can hold it, and
+that every data file it names is a plain file inside the checkpoint directory.
 
 Two kinds of failure:
 
@@ -49,6 +50,7 @@ METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 256 * 1024 * 1024  # metadata of a checkpoint of thousands of shards is tens of MB
 _MAX_DIMS = 16
 _MAX_DIM_SIZE = 2**48
+_OVERLAP_BUDGET = 10**7  # chunk pairs compared per tensor; a grid of shards needs far fewer
 _DATA_FILE = re.compile(r"[A-Za-z0-9_-]{1,128}\.distcp")
 
 _DCP = "torch.distributed.checkpoint.metadata"
@@ -180,6 +182,7 @@ class _Builder:
             ):
                 raise DamagedCheckpointError(f"a chunk of '{key}' lies outside its tensor {tuple(size)}")
             chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
+        _check_tiling(key, size, chunks)
         return TensorStorageMetadata(
             properties=self.properties(fields.get("properties"), key), size=size, chunks=chunks
         )
@@ -221,13 +224,19 @@ class _Builder:
 
     def storage(self, entries: dict[Any, Any], tensors: dict[str, TensorStorageMetadata]) -> dict[Any, _StorageInfo]:
         storage: dict[Any, _StorageInfo] = {}
+        # Each chunk is read from exactly one storage entry, found by (tensor, chunk offsets).
+        unstored = {(fqn, tuple(chunk.offsets)) for fqn, tensor in tensors.items() for chunk in tensor.chunks}
         for index, info in entries.items():
             where = self.fields(index, "MetadataIndex", ("fqn", "offset", "index"))
             fqn = _string(where.get("fqn"), "a storage entry's tensor name")
             if fqn not in tensors:
                 raise DamagedCheckpointError(f"storage is listed for '{fqn}', which the checkpoint does not describe")
-            offset = where.get("offset")
-            offset = None if offset is None else self.size(offset, f"a storage offset of '{fqn}'")
+            offset = self.size(where.get("offset"), f"a storage offset of '{fqn}'")
+            if (fqn, tuple(offset)) not in unstored:
+                raise DamagedCheckpointError(
+                    f"storage is listed for '{fqn}' at {tuple(offset)}, where no chunk of it begins, or twice"
+                )
+            unstored.discard((fqn, tuple(offset)))
             hint = where.get("index")
             if hint is not None and _int(hint) is None:
                 raise DamagedCheckpointError(f"a storage index of '{fqn}' is not an integer")
@@ -239,10 +248,13 @@ class _Builder:
             )
             key = MetadataIndex(fqn=fqn, offset=offset, index=hint)
             storage[key] = self.stored_bytes(fqn, stored, tensors[fqn], offset)
+        if unstored:
+            fqn, offset = min(unstored)
+            raise DamagedCheckpointError(f"no storage is listed for the chunk of '{fqn}' at {offset}")
         return storage
 
     def stored_bytes(
-        self, fqn: str, stored: dict[str, Any], tensor: TensorStorageMetadata, offset: torch.Size | None
+        self, fqn: str, stored: dict[str, Any], tensor: TensorStorageMetadata, offset: torch.Size
     ) -> _StorageInfo:
         name = stored.get("relative_path")
         if not (isinstance(name, str) and _DATA_FILE.fullmatch(name)):
@@ -256,13 +268,12 @@ class _Builder:
             raise DamagedCheckpointError(f"'{fqn}' is stored through transforms (compression?) Forge does not read")
         if start + length > self.file_size(name):
             raise DamagedCheckpointError(f"'{fqn}' is stored past the end of {name} (truncated?)")
-        chunk = next((c for c in tensor.chunks if offset is None or c.offsets == offset), None)
-        if chunk is not None:
-            needed = math.prod(chunk.sizes) * _itemsize(tensor.properties.dtype)
-            if needed > length:
-                raise DamagedCheckpointError(
-                    f"'{fqn}' claims {tuple(chunk.sizes)} elements but only {length} bytes are stored for it"
-                )
+        chunk = next(c for c in tensor.chunks if c.offsets == offset)  # there is one: storage() checked
+        needed = math.prod(chunk.sizes) * _itemsize(tensor.properties.dtype)
+        if needed > length:
+            raise DamagedCheckpointError(
+                f"'{fqn}' claims {tuple(chunk.sizes)} elements but only {length} bytes are stored for it"
+            )
         return _StorageInfo(relative_path=name, offset=start, length=length)
 
     def file_size(self, name: str) -> int:
@@ -282,6 +293,40 @@ class _Builder:
                 raise DamagedCheckpointError("planner_data is malformed")
             out[_string(key, "a planner_data key")] = tuple(path)
         return out
+
+
+def _check_tiling(key: str, size: torch.Size, chunks: list[ChunkStorageMetadata]) -> None:
+    """The chunks (each inside the tensor: checked) cover the tensor exactly once: no two overlap,
+    and together they hold as many elements as it has. A gap would leave part of the tensor
+    unloaded, at whatever it held before (a freshly initialised parameter), without a word."""
+    if len({tuple(chunk.offsets) for chunk in chunks}) != len(chunks):
+        raise DamagedCheckpointError(f"two chunks of '{key}' begin at the same place")
+    if sum(math.prod(chunk.sizes) for chunk in chunks) != math.prod(size):
+        raise DamagedCheckpointError(
+            f"the chunks of '{key}' do not cover it: they hold {sum(math.prod(c.sizes) for c in chunks)} of its "
+            f"{math.prod(size)} elements"
+        )
+    if not size:
+        return  # a scalar: one chunk of one element, by the count above
+    # Sweep along the first dimension: a chunk can overlap only the chunks still open where it
+    # begins. Shardings Forge writes (rows, and rows by columns) keep few open at once; a budget
+    # bounds the work a crafted file can ask for.
+    boxes = sorted(
+        (tuple(chunk.offsets), tuple(o + s for o, s in zip(chunk.offsets, chunk.sizes, strict=True)))
+        for chunk in chunks
+        if math.prod(chunk.sizes)
+    )
+    open_boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    budget = _OVERLAP_BUDGET
+    for start, end in boxes:
+        open_boxes = [box for box in open_boxes if box[1][0] > start[0]]
+        budget -= len(open_boxes)
+        if budget < 0:
+            raise DamagedCheckpointError(f"the chunks of '{key}' are too many and too entangled to check")
+        for other_start, other_end in open_boxes:
+            if all(s < oe and os < e for s, e, os, oe in zip(start, end, other_start, other_end, strict=True)):
+                raise DamagedCheckpointError(f"two chunks of '{key}' overlap, at {start} and {other_start}")
+        open_boxes.append((start, end))
 
 
 def _what(value: Any) -> str:

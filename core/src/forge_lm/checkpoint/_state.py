@@ -98,20 +98,25 @@ def _check_tensor_references(tree: Any, where: str, depth: int = 0) -> None:
             _check_tensor_references(value, where, depth + 1)
 
 
-def check_like(saved: Any, current: Any, what: str, depth: int = 0) -> None:
+def check_like(saved: Any, current: Any, what: str, depth: int = 0, *, equal_lengths: bool = False) -> None:
     """``saved`` (from a checkpoint) has the shape of ``current`` (the live object's state): the
     same keys, and values of the same kinds, so that loading it cannot plant a string where the
-    code expects a number. Lists may differ in length; their items are checked against the
-    first live item."""
+    code expects a number. Lists may differ in length, their items checked against the first
+    live item; with ``equal_lengths`` (state with one entry per parameter group, such as a
+    scheduler's) they have the live lists' lengths, each item checked against its live one."""
     _require(depth < 64, f"{what} is nested too deeply")
     if isinstance(current, dict):
         _require(isinstance(saved, dict), f"{what} is not a JSON object")
         _require(set(saved) == set(current), f"{what} has keys {sorted(saved)[:6]}, expected {sorted(current)[:6]}")
         for key, value in current.items():
-            check_like(saved[key], value, f"{what}.{key}", depth + 1)
+            check_like(saved[key], value, f"{what}.{key}", depth + 1, equal_lengths=equal_lengths)
     elif isinstance(current, list | tuple):
         _require(isinstance(saved, list | tuple), f"{what} is not a list")
-        if current:
+        if equal_lengths:
+            _require(len(saved) == len(current), f"{what} has {len(saved)} entries, expected {len(current)}")
+            for index, (item, live) in enumerate(zip(saved, current, strict=True)):
+                check_like(item, live, f"{what}[{index}]", depth + 1, equal_lengths=True)
+        elif current:
             for item in saved:
                 check_like(item, current[0], f"{what}[]", depth + 1)
     elif isinstance(current, bool) or current is None:
@@ -123,6 +128,94 @@ def check_like(saved: Any, current: Any, what: str, depth: int = 0) -> None:
         _require(number and math.isfinite(saved), f"{what} is not a finite number")
     elif isinstance(current, str):
         _require(isinstance(saved, str), f"{what} is not a string")
+
+
+# Parameter-group values that change as training goes on, restored from the checkpoint once
+# they pass their check. Every other group value is a setting, taken from the live optimizer
+# (built from this run's config). An optimizer whose groups carry other evolving values names
+# them in an ``evolving_group_keys`` attribute (restored after the type check of every value).
+EVOLVING_GROUP_KEYS: dict[str, Any] = {
+    "lr": lambda v: _is_number(v) and v >= 0,  # set by the scheduler at every step
+    "initial_lr": lambda v: _is_number(v) and v >= 0,  # set by the scheduler when it is built
+    "step": lambda v: _is_int(v) and v >= 0,  # schedule-free AdamW's step count
+    "lr_sq_sum": lambda v: _is_number(v) and v >= 0,  # schedule-free AdamW's averaging weight
+}
+# Settings that follow the machine (the kernels available), not the run: a checkpoint saved on
+# another machine holds other values, and the live ones are taken without remark.
+MACHINE_GROUP_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
+def restore_param_groups(saved: Any, live: list[dict[str, Any]], evolving: Any = ()) -> tuple[list[Any], list[str]]:
+    """The parameter groups to load, from ``saved`` (a checkpoint's, as plain data) and ``live``
+    (the live optimizer's, the same way): as many groups as the live optimizer has, each with its
+    keys and kinds of values, its parameters and settings the live group's, its evolving values
+    (:data:`EVOLVING_GROUP_KEYS`, ``evolving``) the checkpoint's. Also returns the settings whose
+    saved value the live one replaced (``optimizer.param_groups[0].weight_decay``)."""
+    _require(isinstance(saved, list), "optimizer.param_groups is not a list")
+    _require(
+        len(saved) == len(live), f"optimizer.param_groups has {len(saved)} groups; this run's optimizer has {len(live)}"
+    )
+    extra = set(evolving) if isinstance(evolving, list | tuple | set | frozenset) else set()
+    groups: list[Any] = []
+    replaced: list[str] = []
+    for index, (mine, theirs) in enumerate(zip(saved, live, strict=True)):
+        where = f"optimizer.param_groups[{index}]"
+        _require(isinstance(mine, dict), f"{where} is not a JSON object")
+        names = mine.get("params")
+        _require(isinstance(names, list) and all(isinstance(n, str) for n in names), f"{where}.params is malformed")
+        # A scheduler adds its keys (initial_lr) to the groups: a checkpoint loaded without one
+        # (generate, export) has them where the live groups do not, and the other way round.
+        optional = {key for key in EVOLVING_GROUP_KEYS if (key in mine) != (key in theirs)}
+        check_like(
+            {k: v for k, v in mine.items() if k != "params" and k not in optional},
+            {k: v for k, v in theirs.items() if k != "params" and k not in optional},
+            where,
+            equal_lengths=True,
+        )
+        group = dict(theirs)
+        for key, value in mine.items():
+            if key == "params":
+                continue
+            if key in EVOLVING_GROUP_KEYS:
+                _require(EVOLVING_GROUP_KEYS[key](value), f"{where}.{key} is {value!r}, not a value it can have")
+                group[key] = value
+            elif key in extra:
+                group[key] = value
+            elif key not in MACHINE_GROUP_KEYS and value != theirs[key]:
+                replaced.append(f"{where}.{key}")
+        groups.append(group)
+    return groups, replaced
+
+
+def check_optimizer_state(saved: Any, live: Any) -> None:
+    """``saved`` (a checkpoint's per-parameter optimizer state, as plain data with tensor
+    references) describes parameters the live optimizer has, with its keys and kinds of values,
+    and refers to exactly the tensors the live state's references name (so that each is loaded
+    into a live tensor of its shape)."""
+    _require(isinstance(saved, dict), "optimizer.state is not a JSON object")
+    if not isinstance(live, dict):
+        return
+    for name, entry in saved.items():
+        _require(name in live, f"optimizer.state has an entry for '{name}', which this run's optimizer lacks")
+        check_like(entry, live[name], f"optimizer.state['{name}']", equal_lengths=True)
+        _require(
+            _references(entry) == _references(live[name]),
+            f"optimizer.state['{name}'] refers to other tensors than this run's optimizer",
+        )
+
+
+def _references(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        if set(tree) == {"__tensor__"}:
+            return [tree["__tensor__"]]
+        return [ref for key in sorted(tree) for ref in _references(tree[key])]
+    if isinstance(tree, list):
+        return [ref for item in tree for ref in _references(item)]
+    return []
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_int(value: Any) -> bool:

@@ -4,18 +4,23 @@ What is restored comes from a file anyone could have edited. The scheduler's and
 loader's saved states must have the shape of the live objects' own (:func:`check_like`),
 checked inside the checkpoint manager's attempt, so that a tampered one is passed over like a
 damaged checkpoint and an older one used, instead of planting a string where a number belongs.
+The optimizer's settings come from this run's config (the manager takes them from the live
+optimizer); a saved setting that differs from the live one, while the optimizer settings the
+checkpoint records are this run's, was edited: that checkpoint is passed over too.
 Plugin states go to their plugins' ``load_state`` hooks, whose failure is the plugin's (exit 4).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from forge_lm import events
 from forge_lm.checkpoint import CheckpointManager
-from forge_lm.checkpoint._state import check_like
+from forge_lm.checkpoint._safe import DamagedCheckpointError
+from forge_lm.checkpoint._state import TRAINER_STATE, check_like
 from forge_lm.config import to_data
 from forge_lm.data.loader import BatchLoader
 from forge_lm.plugins import PluginManager
@@ -44,8 +49,9 @@ def restore_run(
         missing = {"tokens_seen", "plugins"} - set(state)
         if missing:
             raise ValueError(f"its trainer state lacks {', '.join(sorted(missing))}")
+        _check_optimizer_settings(state, context.config)
         if "scheduler" in state:  # absent in an imported model's step 0: schedule and data start fresh
-            check_like(state["scheduler"], context.scheduler.state_dict(), "the scheduler state")
+            check_like(state["scheduler"], context.scheduler.state_dict(), "the scheduler state", equal_lengths=True)
             check_like(state.get("data"), train_batches.state_dict(), "the data position")
             context.scheduler.load_state_dict(state["scheduler"])
             train_batches.load_state_dict(state["data"])
@@ -72,6 +78,22 @@ def restore_run(
     events.set_step(context.step)
     events.record("resume", from_step=context.step, checkpoint=Path(state["path"]).name)
     return True
+
+
+def _check_optimizer_settings(state: dict[str, Any], config: Any) -> None:
+    """A setting of the saved optimizer that differs from the live one's is fine when the run's
+    optimizer settings changed since the checkpoint (the config wins); when they are the ones the
+    checkpoint records, the saved value was edited."""
+    replaced = state.get("settings_from_config") or []
+    recorded = state.get("config")
+    if not replaced or not isinstance(recorded, dict):
+        return
+    live = json.loads(json.dumps(to_data(config).get("optimizer")))
+    if recorded.get("optimizer") == live:
+        raise DamagedCheckpointError(
+            f"{TRAINER_STATE}: {replaced[0]} differs from what the run's optimizer settings (which the checkpoint "
+            "records, unchanged) give it; the file was edited"
+        )
 
 
 def _warn(message: str) -> None:
