@@ -177,3 +177,11 @@ def metadata_like(relative_path: str, size: tuple[int, ...] = (4,), length: int 
         return pickle.dumps(Metadata({fqn: tensor}, storage_data=storage, planner_data={fqn: (fqn,)}))
 
     return make
+
+
+def deeply_nested_toml(kind: str = "array", depth: int = 5000) -> str:
+    """``x = [[[...]]]`` (``kind="array"``) or ``x = {a={a=...}}`` (``"table"``) nested ``depth``
+    deep: deeper than Python's recursion limit, which a recursive TOML parser runs into."""
+    if kind == "array":
+        return "x = " + "[" * depth + "]" * depth + "\n"
+    return "x = " + "{a=" * depth + "1" + "}" * depth + "\n"

@@ -12,6 +12,7 @@ import re
 
 import pytest
 from _hostile import Case, Outcome, Workspace, case_params
+from _payloads import deeply_nested_toml
 
 TRAIN = ("train", "{tiny}", "--train.max_steps=1", "--train.output_dir={root}/out")
 VALIDATE = ("config", "validate")
@@ -257,6 +258,32 @@ CASES = [
         r"forge: error: config file '.*run\.toml' is not valid TOML: it is not UTF-8 text",
         setup=write_bytes(b"\xff\xfe[model]\n"),
         check=nothing_written,
+    ),
+    Case(
+        "config-nested-arrays-too-deep",
+        (*VALIDATE, "{root}/run.toml"),
+        2,
+        r"forge: error: config file '.*run\.toml' is not a usable config: its arrays or inline tables are nested too "
+        r"deeply to read\.",
+        setup=toml(deeply_nested_toml("array")),
+    ),
+    Case(
+        "config-nested-inline-tables-too-deep",
+        (*TRAIN, "{root}/run.toml"),
+        2,
+        r"forge: error: config file '.*run\.toml' is not a usable config: its arrays or inline tables are nested too "
+        r"deeply to read\.",
+        setup=toml(deeply_nested_toml("table")),
+        check=nothing_written,
+    ),
+    Case(
+        "run-config-toml-nested-too-deep",
+        ("train", "{tiny}", "--train.max_steps=6", "--train.output_dir={run}"),
+        2,
+        r"forge: error: cannot resume the run in '.*/run': config file '.*/run/config\.toml' is not a usable "
+        r"config: its arrays or inline tables are nested too deeply to read\.",
+        setup=lambda ws: (ws.run / "config.toml").write_text(deeply_nested_toml("array")),
+        needs_run=True,
     ),
     Case(
         "config-is-a-directory",

@@ -1,11 +1,16 @@
 """Hostile Hugging Face model directories for ``forge import-hf``: JSON that is not JSON or not
-a model's config, shard lists that lead out of the directory, damaged weights. Each is refused
-with exit 2 and a message naming the file, before a run directory is created."""
+a model's config, config fields of the wrong type or value, sizes too large for this host or that
+disagree with the weights, shard lists that lead out of the directory, damaged weights, a plugin
+whose conversion returns an unusable table. Each is refused with exit 2 and a message naming the
+file, the field or the plugin, before a run directory is created."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -77,6 +82,25 @@ def nothing_imported(ws: Workspace, outcome) -> None:
     assert not (ws.root / "imported").exists()
 
 
+def hf_import_plugin(body: str):
+    """A setup installing ``forge-hostile`` 1.0 (entry point ``hostile``), whose module defines
+    ``forge_lm_hf_import`` as ``body``, into the case's plugin site (``{root}/site``), and the
+    model directory ``{root}/hf``."""
+
+    def setup(ws: Workspace) -> None:
+        with_hf(lambda hf, ws: None)(ws)
+        site = ws.root / "site"
+        header = 'from forge_lm import hookimpl\nFORGE_LM_PLUGIN_API = ">=1,<2"\n\n@hookimpl\n'
+        (site / "forge_hostile.py").write_text(header + textwrap.dedent(body).lstrip())
+        info = site / "forge_hostile-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: forge-hostile\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text("[forge_lm]\nhostile = forge_hostile\n")
+        importlib.invalidate_caches()
+
+    return setup
+
+
 HF_SOURCE: list[Path] = []  # filled by the autouse fixture below (case setups run inside the test)
 
 _ERR = r"forge: error: "
@@ -99,7 +123,8 @@ CASES = [
         "config-missing-hidden-size",
         IMPORT,
         2,
-        _ERR + r"'.*/hf': config\.json does not describe a Llama model Forge can import: KeyError",
+        _ERR + r"'.*/hf': config\.json does not describe a Llama model Forge can import: it has no hidden_size\. "
+        r"Correct hidden_size in config\.json",
         with_hf(config_edit(lambda c: c.pop("hidden_size"))),
         check=nothing_imported,
     ),
@@ -107,8 +132,70 @@ CASES = [
         "config-hidden-size-a-string",
         IMPORT,
         2,
-        _ERR + r"'.*/hf': config\.json does not describe a Llama model Forge can import: TypeError",
+        _ERR + r"'.*/hf': config\.json does not describe a Llama model Forge can import: hidden_size is '32', not a "
+        r"positive integer\.",
         with_hf(config_edit(lambda c: c.update(hidden_size="32"))),
+        check=nothing_imported,
+    ),
+    # -- numbers of config.json that size the model: checked before anything is built ----------------
+    Case(
+        "config-huge-hidden-size",
+        IMPORT,
+        2,
+        _ERR + r"'.*/hf/config\.json' describes a model that needs (about|at least) [\d.,]+ [kMGTPE]?B for its "
+        r"weights and optimizer state, more than the [\d.,]+ [kMGTPE]?B of available memory on this host",
+        with_hf(config_edit(lambda c: (c.update(hidden_size=2**36, intermediate_size=2**38), c.pop("head_dim")))),
+        check=nothing_imported,
+    ),
+    Case(
+        "config-intermediate-size-not-the-weights",
+        IMPORT,
+        2,
+        _ERR + r"the weights in '.*/hf' do not fit the model that its config\.json describes \(as plugin "
+        r"'core\.hf_llama' .*\): layers\.0\.feed_forward\.w1\.weight is \[\d+, 32\], the model's is \[\d+, 32\]",
+        with_hf(config_edit(lambda c: c.update(intermediate_size=c["intermediate_size"] + 32))),
+        check=nothing_imported,
+    ),
+    Case(
+        "config-heads-zero",
+        IMPORT,
+        2,
+        _ERR + r"'.*/hf': config\.json does not describe a Llama model Forge can import: num_attention_heads is 0, "
+        r"not a positive integer\. Correct num_attention_heads in config\.json",
+        with_hf(config_edit(lambda c: c.update(num_attention_heads=0))),
+        check=nothing_imported,
+    ),
+    Case(
+        "config-rope-parameters-not-a-table",
+        IMPORT,
+        2,
+        _ERR + r"'.*/hf': config\.json does not describe a Llama model Forge can import: rope_parameters is \[1\], "
+        r"not a table",
+        with_hf(config_edit(lambda c: c.update(rope_parameters=[1]))),
+        check=nothing_imported,
+    ),
+    Case(
+        "config-intermediate-size-a-float",
+        IMPORT,
+        2,
+        _ERR + r"'.*/hf': config\.json does not describe a Llama model Forge can import: intermediate_size is 64\.5, "
+        r"not a positive integer\.",
+        with_hf(config_edit(lambda c: c.update(intermediate_size=64.5))),
+        check=nothing_imported,
+    ),
+    Case(
+        "plugin-table-without-max-seq-len",
+        IMPORT,
+        2,
+        _ERR + r"plugin 'hostile' \(forge-hostile 1\.0\) converted '.*/hf/config\.json' with forge_lm_hf_import into "
+        r"an unusable \[model\] table or state dict: no max_seq_len\. This is a bug in the plugin: .*"
+        r"--block-plugin hostile",
+        hf_import_plugin(
+            """
+            def forge_lm_hf_import(hf_config, state):
+                return {"dim": 32, "n_layers": 2, "n_heads": 4, "vocab_size": 257}, {}
+            """
+        ),
         check=nothing_imported,
     ),
     Case(
@@ -163,6 +250,19 @@ CASES = [
 @pytest.fixture(autouse=True)
 def _hf_source(hf_model: Path) -> None:
     HF_SOURCE[:] = [hf_model]
+
+
+@pytest.fixture(autouse=True)
+def _plugin_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The case's plugin site (``{root}/site``) on ``sys.path``; its modules forgotten afterwards."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))  # also invalidates importlib's caches
+    yield
+    for name, module in list(sys.modules.items()):
+        if str(getattr(module, "__file__", None) or "").startswith(str(site)):
+            del sys.modules[name]
+    importlib.invalidate_caches()
 
 
 @pytest.mark.parametrize("case", case_params(CASES))

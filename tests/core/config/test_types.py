@@ -124,6 +124,12 @@ def test_an_override_that_does_not_fit_its_field_type_names_section_key_and_the_
     assert error(None, override) == expected
 
 
+def test_an_array_override_nested_too_deeply_to_parse_is_a_type_error_not_a_traceback(error):
+    # tomllib parses nested arrays recursively: thousands of levels exhaust Python's recursion limit.
+    message = error(None, "--metrics.backends=" + "[" * 5000 + "]" * 5000)
+    assert message.startswith("[metrics] backends: expected a TOML array such as '[1, 2]'")
+
+
 # -- file values are strict -------------------------------------------------------------------
 
 

@@ -200,6 +200,26 @@ def test_a_damaged_gzip_trace_is_an_error_naming_it(run_dir, capsys):
     assert capsys.readouterr().err.startswith(f"forge: error: '{trace}' is damaged: its gzip data")
 
 
+def test_a_gzip_trace_that_expands_past_the_cap_is_refused_as_damaged(run_dir, capsys, monkeypatch):
+    from forge_lm.cli import _profile
+
+    monkeypatch.setattr(_profile, "MAX_TRACE_BYTES", 4096)  # 1 GiB in use: a small bomb stands for a large one
+    rank_dir = run_dir / "profiles" / "rank1"
+    for path in rank_dir.iterdir():
+        path.unlink()
+    trace = rank_dir / "trace_step2-3.json.gz"
+    # Valid JSON, so only the cap refuses it: 64 KiB of it from a few hundred bytes of gzip.
+    trace.write_bytes(gzip.compress(b'{"traceEvents": []}' + b" " * 65536))
+    assert trace.stat().st_size < 1024
+
+    assert main(["profile", str(run_dir)]) == 2
+
+    err = capsys.readouterr().err
+    assert err.startswith(f"forge: error: '{trace}' is damaged: it decompresses to more than ")
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1
+
+
 def test_files_that_link_outside_the_run_directory_are_not_read(tmp_path, capsys):
     outside = profile_run(tmp_path / "elsewhere", rank=0)
     run_dir = tmp_path / "run"

@@ -6,6 +6,11 @@ the weights; a model type no installed plugin reads is refused. The weights beco
 ``checkpoints/step_0``; ``forge generate``, ``forge export-hf`` and the Python API then use it
 like any run. A ``tokenizer.json`` beside the model becomes the run's tokenizer unless the
 overrides choose another. Other overrides set the rest of the run config.
+
+Everything in the directory is untrusted: ``config.json``'s fields are checked by the converter
+(naming each), the plugin's table and state dict here (naming the plugin), the model's memory is
+estimated before it is built (refused, with the estimate, if it does not fit this host), and the
+weights' names and shapes are compared with the built model's before they are loaded.
 """
 
 from __future__ import annotations
@@ -26,24 +31,33 @@ def run(args, overrides, plugins) -> int:
 
     from forge_lm.checkpoint import CheckpointManager
     from forge_lm.config import TrainSection, merge, parse_overrides, structure_config
-    from forge_lm.errors import ConfigError, ForgeError
-    from forge_lm.model import build_model
-    from forge_lm.model.hf import import_with_plugins
+    from forge_lm.errors import ConfigError, ForgeError, UsageError
+    from forge_lm.model.hf import convert_from_hf
     from forge_lm.train.run_dir import RunDirectory
 
     hf_dir = Path(args.hf_dir)
     manager = plugins()
-    model_table, state = import_with_plugins(manager, hf_dir)
+    imported = convert_from_hf(manager, hf_dir)  # the table's sizes and the state's tensors are checked there
+    model_table = imported.table
     # The default training sequence length may exceed what a small imported model accepts.
     layers = {"model": model_table, "train": {"seq_len": min(TrainSection().seq_len, model_table["max_seq_len"])}}
+    try:  # the plugin's table alone, before the overrides: a mistake in it is the file's or the plugin's
+        structure_config(layers, manager.registry)
+    except (ConfigError, UsageError) as exc:
+        raise ForgeError(
+            f"the [model] table that {imported.plugin.label} made from '{imported.config_path}' is not valid: {exc} "
+            f"Correct that field in {imported.config_path.name}; if it is right, this is a bug in the plugin: report "
+            f"it to its authors, or run without it (--block-plugin {imported.plugin.name})."
+        ) from None
     if (hf_dir / "tokenizer.json").is_file():
         # Absolute: the run's config.toml must find it from wherever the run is later used.
         layers["tokenizer"] = {"name": "hf", "path": str((hf_dir / "tokenizer.json").resolve())}
     config = structure_config(merge(layers, parse_overrides(overrides)), manager.registry)
     manager.configure(config)
 
-    model = build_model(config.model, config.model.vocab_size, manager.registry)
-    model.load_state_dict(state)
+    _check_fits(config, manager.registry, imported)
+    model = _build(config, manager.registry, imported)
+    _load(model, imported)
     taken = ConfigError(f"[train] output_dir: '{config.train.output_dir}' already holds a run; choose a new one.")
     if Path(config.train.output_dir, "config.toml").exists():
         raise taken
@@ -67,3 +81,75 @@ def run(args, overrides, plugins) -> int:
         run.trained = True  # a complete run directory from here on: kept whatever happens
     print(f"imported {hf_dir} into run directory {run_dir}")
     return 0
+
+
+def _check_fits(config, registry, imported) -> None:
+    """Refuse a model whose weights and optimizer state exceed this host's available memory, from
+    its estimate, before anything is allocated: its sizes come from an untrusted ``config.json``
+    (as ``forge generate`` does for a run's config.toml)."""
+    import torch
+
+    from forge_lm.distributed.mesh import ParallelDims
+    from forge_lm.errors import ConfigError
+    from forge_lm.model.memory import estimate_memory, format_bytes, memory_limit
+
+    estimate = estimate_memory(config, config.model.vocab_size, registry, ParallelDims(), None)
+    needed = estimate.weights + estimate.optimizer_state
+    limit = memory_limit(torch.device("cpu"), processes_on_host=1)
+    if limit is not None and needed > limit.bytes:
+        about = "about" if estimate.count.exact else "at least"
+        raise ConfigError(
+            f"'{imported.config_path}' describes a model that needs {about} {format_bytes(needed)} for its weights "
+            f"and optimizer state, more than the {format_bytes(limit.bytes)} {limit.source} ({estimate.parameters()}"
+            f", as {imported.plugin.label} converts it). Check its sizes (hidden_size, intermediate_size, "
+            "num_hidden_layers, vocab_size, max_position_embeddings), or import it on a machine with more memory."
+        )
+
+
+def _build(config, registry, imported):
+    """The model of ``config``; an allocation that fails anyway (no memory figure on this host) is
+    refused naming the ``config.json`` that sized it."""
+    import re
+
+    from forge_lm.errors import ConfigError
+    from forge_lm.model import build_model
+
+    try:
+        return build_model(config.model, config.model.vocab_size, registry)
+    except (MemoryError, RuntimeError) as exc:
+        if not isinstance(exc, MemoryError) and not re.search(r"allocat|overflow|out of memory", str(exc), re.I):
+            raise
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"cannot allocate the model that '{imported.config_path}' describes ({reason}). Check its sizes "
+            "(hidden_size, intermediate_size, num_hidden_layers, vocab_size), or import it on a machine with more "
+            "memory."
+        ) from None
+
+
+_MOST_LISTED = 5  # mismatched weights named in a message; the rest are counted
+
+
+def _load(model, imported) -> None:
+    """Load the converted weights into ``model``, after checking that every name and shape matches:
+    a ``config.json`` that disagrees with its weights is refused, naming what differs."""
+    from forge_lm.errors import ForgeError
+    from forge_lm.model.hf import state_mismatches
+
+    problems = state_mismatches(model.state_dict(), imported.state)
+    where = f"'{imported.config_path.parent}'"
+    if problems:
+        listed = "; ".join(problems[:_MOST_LISTED])
+        if len(problems) > _MOST_LISTED:
+            listed += f"; and {len(problems) - _MOST_LISTED} more"
+        raise ForgeError(
+            f"the weights in {where} do not fit the model that its {imported.config_path.name} describes (as "
+            f"{imported.plugin.label} converts it): {listed}. Correct the sizes in {imported.config_path.name} "
+            "(hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, vocab_size, ...) to match "
+            "the weights, or use the config saved with them."
+        )
+    try:
+        model.load_state_dict(imported.state)
+    except RuntimeError as exc:  # names and shapes agree: what is left is the tensors' contents (a dtype)
+        reason = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else type(exc).__name__
+        raise ForgeError(f"the weights in {where} cannot be loaded into the model: {reason}") from None

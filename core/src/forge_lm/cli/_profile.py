@@ -38,6 +38,7 @@ PROFILES_DIR = "profiles"  # as forge_lm.train.profiling writes them
 DEFAULT_TOP = 15
 DPI = 120
 MAX_LABEL = 60  # characters of an operator's name on the chart's axis
+MAX_TRACE_BYTES = 2**30  # the most a .json.gz trace may decompress to; a larger one is refused as damaged
 
 _RANK_DIR = re.compile(r"rank(\d+)")
 _WINDOW_FILE = re.compile(r"(ops|trace)_step(\d+)-(\d+)\.json(\.gz)?")
@@ -273,9 +274,18 @@ def _close(span: list[Any], profile: Profile) -> float:
 
 def _load_json(path: Path) -> Any:
     try:
-        raw = path.read_bytes()
         if path.suffix == ".gz":
-            raw = gzip.decompress(raw)
+            # Read through a cap: a few kilobytes of gzip can expand to more than this host's memory.
+            with gzip.open(path, "rb") as stream:
+                raw = stream.read(MAX_TRACE_BYTES + 1)
+            if len(raw) > MAX_TRACE_BYTES:
+                raise _damaged(
+                    path,
+                    f"it decompresses to more than {MAX_TRACE_BYTES / 2**30:g} GiB, more than a profiled window's "
+                    "trace holds",
+                )
+        else:
+            raw = path.read_bytes()
         return json.loads(raw)
     except OSError as exc:
         if isinstance(exc, gzip.BadGzipFile):

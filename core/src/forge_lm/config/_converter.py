@@ -98,7 +98,7 @@ def _structure_str(value: Any, _: type) -> str:
 def _parse_cli_array(value: CliValue) -> list[Any]:
     try:
         parsed = tomllib.loads(f"value = {value}")["value"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):  # tomllib recurses into nested arrays
         parsed = None
     if not isinstance(parsed, list):
         raise ValueError(f"expected a TOML array such as '[1, 2]' or '[\"a\", \"b\"]', got {describe(value)}")

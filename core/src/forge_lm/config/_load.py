@@ -51,6 +51,11 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file '{path}' is not valid TOML: {exc}.") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError(
+            f"config file '{path}' is not a usable config: its arrays or inline tables are nested too deeply to "
+            "read. A Forge config nests a few levels at most: fix the file, or replace it."
+        ) from None
 
 
 def parse_overrides(args: Iterable[str]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,10 @@ from torch import nn
 from forge_lm.config import ComponentConfig, ModelSection
 from forge_lm.default_plugins.feed_forwards import SwiGLUOptions
 from forge_lm.errors import ForgeError
+from forge_lm.model.hf_fields import CONFIG_FILE, HFConfigReader
 from forge_lm.model.swiglu import SwiGLU
 from forge_lm.plugins import PluginHookFailed
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints, as save_pretrained writes them
 
@@ -224,39 +225,49 @@ def to_hf_config(config: ModelSection, vocab_size: int, ffn_hidden: int, **token
 
 
 def model_section_fields(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """``ModelSection(**fields)`` equivalent to a Llama ``config.json``; refuses what Forge cannot express."""
+    """``ModelSection(**fields)`` equivalent to a Llama ``config.json``; refuses what Forge cannot
+    express, and a field that is missing or holds a wrong type or value (naming it)."""
     kind = hf_config.get("model_type")
     if kind != "llama":
         raise ForgeError(f"config.json has model_type '{kind}'; only Hugging Face Llama ('llama') models import.")
+    read = HFConfigReader(hf_config, "Llama")
+    sizes = read.decoder_sizes()
+    rope = read.table("rope_parameters")
+    head_dim = read.positive_int("head_dim", None)
+    fields = {
+        "rope_theta": read.rope_theta(10000.0),
+        "norm_eps": read.positive_number("rms_norm_eps", 1e-6),
+        "init_std": read.positive_number("initializer_range", 0.02),
+        "tie_embeddings": read.flag("tie_word_embeddings", False),
+    }
     problems = []
     if hf_config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act '{hf_config['hidden_act']}' (Forge's swiglu uses silu)")
     for key in ("attention_bias", "mlp_bias"):
         if hf_config.get(key):
             problems.append(f"{key} = true (Forge's layers have no biases)")
-    rope = hf_config.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default" or hf_config.get("rope_scaling"):
         problems.append(f"RoPE scaling '{hf_config.get('rope_scaling') or rope_type}' (Forge has plain RoPE)")
-    dim, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
-    if hf_config.get("head_dim") not in (None, dim // heads):
-        problems.append(f"head_dim {hf_config['head_dim']} != hidden_size / num_attention_heads ({dim // heads})")
+    dim, heads = sizes["dim"], sizes["n_heads"]
+    if head_dim not in (None, dim // heads):
+        problems.append(f"head_dim {head_dim} != hidden_size / num_attention_heads ({dim // heads})")
     if problems:
         raise ForgeError("this Llama checkpoint cannot be imported: " + "; ".join(problems) + ".")
     return {
         "dim": dim,
-        "n_layers": hf_config["num_hidden_layers"],
+        "n_layers": sizes["n_layers"],
         "n_heads": heads,
-        "n_kv_heads": hf_config.get("num_key_value_heads") or heads,
-        "vocab_size": hf_config["vocab_size"],
-        "max_seq_len": hf_config.get("max_position_embeddings", 2048),
-        "rope_theta": float(rope.get("rope_theta", hf_config.get("rope_theta", 10000.0))),
+        "n_kv_heads": sizes["n_kv_heads"],
+        "vocab_size": sizes["vocab_size"],
+        "max_seq_len": sizes["max_seq_len"],
+        "rope_theta": fields["rope_theta"],
         "norm": "rmsnorm",
-        "norm_eps": hf_config.get("rms_norm_eps", 1e-6),
+        "norm_eps": fields["norm_eps"],
         "qk_norm": False,
-        "tie_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
-        "init_std": hf_config.get("initializer_range", 0.02),
-        "ffn": ComponentConfig("swiglu", swiglu_options_for(dim, hf_config["intermediate_size"])),
+        "tie_embeddings": fields["tie_embeddings"],
+        "init_std": fields["init_std"],
+        "ffn": ComponentConfig("swiglu", swiglu_options_for(dim, sizes["hidden"])),
     }
 
 
@@ -337,8 +348,8 @@ def llama_import(
     if hf_config.get("model_type") != "llama":
         return None
     try:
-        fields = model_section_fields(hf_config)
-    except (KeyError, TypeError, ValueError) as exc:
+        fields = model_section_fields(hf_config)  # checks each field it reads, naming it
+    except (LookupError, TypeError, ValueError, ArithmeticError, AttributeError) as exc:  # what a check missed
         raise ForgeError(
             f"{CONFIG_FILE} does not describe a Llama model Forge can import: {type(exc).__name__}: {exc}"
         ) from None
@@ -407,17 +418,25 @@ def _read_json(path: Path) -> Any:
         raise ForgeError(f"'{path}' is not valid JSON: {exc}") from None
 
 
-def _checked_conversion(converted: Any, hook: str, shape: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What a plugin's conversion hook returned, if it has the documented shape."""
+def _checked_conversion(converted: Any, hook: str, shape: str, plugin: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What ``plugin``'s conversion hook returned, if it has the documented shape."""
     if not (
         isinstance(converted, tuple)
         and len(converted) == 2
         and all(isinstance(part, dict) and all(isinstance(k, str) for k in part) for part in converted)
     ):
         raise ForgeError(
-            f"a plugin's {hook} returned {type(converted).__name__}, not {shape}; report it to its authors"
+            f"{plugin.label} returned {type(converted).__name__} from {hook}, not {shape}. This is a bug in the "
+            f"plugin: report it to its authors, or run without it (--block-plugin {plugin.name})."
         )
     return converted
+
+
+def _first_answer(manager: Any, hook: str, **kwargs: Any) -> tuple[Any, Any] | None:
+    """``(plugin, result)`` of the first plugin whose ``hook`` answers, as ``manager.call_first``
+    asks them (a converter's :class:`ForgeError` passes through), or None."""
+    results = manager._call_each(hook, lambda _: kwargs, first=True, passes=(ForgeError,))
+    return results[0] if results else None
 
 
 def _askers(manager: Any, hook: str) -> str:
@@ -431,37 +450,107 @@ def export_with_plugins(
 ) -> Path:
     """Export through the first plugin that converts ``model`` (``forge_lm_hf_export``; the
     core's Llama conversion is asked last). Refuses a model that no installed plugin converts."""
-    converted = manager.call_first("forge_lm_hf_export", model=model, config=config)
-    if converted is None:
+    answer = _first_answer(manager, "forge_lm_hf_export", model=model, config=config)
+    if answer is None:
         raise ForgeError(
             f"this model has no Hugging Face equivalent that an installed plugin writes: its feed-forward is "
             f"[model.ffn] name = '{config.ffn.name}', and no plugin's forge_lm_hf_export converts it (asked: "
             f"{_askers(manager, 'forge_lm_hf_export')}). Keep it in Forge's own checkpoint format, or install "
             "the plugin that converts such models."
         )
-    hf_config, state = _checked_conversion(converted, "forge_lm_hf_export", "(config.json dict, HF state dict)")
+    plugin, converted = answer
+    hf_config, state = _checked_conversion(converted, "forge_lm_hf_export", "(config.json dict, HF state dict)", plugin)
     return write_hf(out_dir, {**hf_config, "eos_token_id": eos_id}, state)
 
 
-def import_with_plugins(manager: Any, hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``([model] table, Forge state dict)`` through the first plugin that understands the model
-    type (``forge_lm_hf_import``; the core's Llama conversion is asked last). Refuses a model
-    type that no installed plugin imports."""
+# What a [model] table from forge_lm_hf_import must state itself (Forge's defaults are no
+# model's sizes): each a positive integer.
+IMPORTED_SIZES = ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len")
+
+
+@dataclass(frozen=True)
+class HFImport:
+    """A Hugging Face model directory converted by a plugin's ``forge_lm_hf_import``: the
+    ``[model]`` table, the Forge state dict, the plugin that converted it (its ``label`` and
+    ``name`` for messages) and the ``config.json`` it was read from."""
+
+    table: dict[str, Any]
+    state: dict[str, torch.Tensor]
+    plugin: Any
+    config_path: Path
+
+
+def convert_from_hf(manager: Any, hf_dir: str | Path) -> HFImport:
+    """The model of ``hf_dir`` through the first plugin that understands its model type
+    (``forge_lm_hf_import``; the core's Llama conversion is asked last). Refuses a model type
+    that no installed plugin imports, and a plugin's answer that is not a usable table and
+    state dict (naming the plugin)."""
     hf_config, hf_state = read_hf(hf_dir)
     try:
-        converted = manager.call_first("forge_lm_hf_import", hf_config=hf_config, state=hf_state)
+        answer = _first_answer(manager, "forge_lm_hf_import", hf_config=hf_config, state=hf_state)
     except PluginHookFailed:
         raise
     except ForgeError as exc:
         # A converter sees the contents of the directory, not where it is: name it here.
         raise ForgeError(f"'{hf_dir}': {exc}") from None
-    if converted is None:
+    config_path = Path(hf_dir) / CONFIG_FILE
+    if answer is None:
         raise ForgeError(
-            f"'{Path(hf_dir) / CONFIG_FILE}' has model_type {hf_config.get('model_type')!r}, which no installed "
+            f"'{config_path}' has model_type {hf_config.get('model_type')!r}, which no installed "
             f"plugin imports (asked: {_askers(manager, 'forge_lm_hf_import')}). Install the plugin that converts "
             "that model type; forge list-plugins shows what is installed."
         )
-    return _checked_conversion(converted, "forge_lm_hf_import", "([model] table, Forge state dict)")
+    plugin, converted = answer
+    table, state = _checked_conversion(converted, "forge_lm_hf_import", "([model] table, Forge state dict)", plugin)
+    problems = [f"no {key}" for key in IMPORTED_SIZES if key not in table]
+    problems += [
+        f"{key} = {_shown(table[key])}, not a positive integer"
+        for key in (*IMPORTED_SIZES, "n_kv_heads")
+        if key in table and not (key == "n_kv_heads" and table[key] is None) and not _positive_int(table[key])
+    ]
+    not_tensors = [name for name, value in state.items() if not isinstance(value, torch.Tensor)]
+    if not_tensors:
+        problems.append(f"state entries that are not tensors: {_listed(not_tensors)}")
+    if problems:
+        raise ForgeError(
+            f"{plugin.label} converted '{config_path}' with forge_lm_hf_import into an unusable [model] table or "
+            f"state dict: {'; '.join(problems)}. This is a bug in the plugin: report it to its authors, or run "
+            f"without it (--block-plugin {plugin.name})."
+        )
+    return HFImport(table, state, plugin, config_path)
+
+
+def import_with_plugins(manager: Any, hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``([model] table, Forge state dict)`` of ``hf_dir``, as :func:`convert_from_hf` converts it."""
+    imported = convert_from_hf(manager, hf_dir)
+    return imported.table, imported.state
+
+
+def state_mismatches(expected: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> list[str]:
+    """How ``state`` differs from ``expected`` (a built model's state dict) in names and shapes,
+    one line each; empty when it loads into that model."""
+    problems = [f"{name} is missing" for name in expected if name not in state]
+    problems += [f"{name} is not a weight of the model" for name in state if name not in expected]
+    problems += [
+        f"{name} is {list(state[name].shape)}, the model's is {list(tensor.shape)}"
+        for name, tensor in expected.items()
+        if name in state and state[name].shape != tensor.shape
+    ]
+    return problems
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _listed(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from torch import nn
 
 from forge_lm.errors import ForgeError
 from forge_lm.model.hf import decoder_config_fields, rename_from_hf, rename_to_hf, swiglu_options_for
+from forge_lm.model.hf_fields import HFConfigReader
 from forge_moe.layer import MoELayer
 from forge_moe.routers import SoftmaxTopKRouter
 
@@ -93,54 +94,66 @@ def to_mixtral(model: nn.Module, config: Any) -> tuple[dict[str, Any], dict[str,
 
 
 def model_table(hf_config: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """The ``[model]`` table (plain data, ``ffn`` included) equivalent to a Mixtral ``config.json``."""
+    """The ``[model]`` table (plain data, ``ffn`` included) equivalent to a Mixtral ``config.json``;
+    refuses what Forge cannot express, and a field that is missing or holds a wrong type or value
+    (naming it)."""
+    read = HFConfigReader(hf_config, "Mixtral")
+    sizes = read.decoder_sizes()
+    rope = read.table("rope_parameters")
+    head_dim = read.positive_int("head_dim", None)
+    window = read.positive_int("sliding_window", None)
+    n_experts = read.positive_int("num_local_experts", 8)
+    top_k = read.positive_int("num_experts_per_tok", 2)
+    if top_k > n_experts:
+        problem = f"num_experts_per_tok ({top_k}) exceeds num_local_experts ({n_experts})"
+        raise read.refuse("num_experts_per_tok", problem)
+    jitter = read.non_negative_number("router_jitter_noise", 0.0)
+    aux_loss = read.non_negative_number("router_aux_loss_coef", 0.0)
+    rope_theta = read.rope_theta(1e6)
+    norm_eps = read.positive_number("rms_norm_eps", 1e-5)
+    init_std = read.positive_number("initializer_range", 0.02)
     problems = []
     if hf_config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act '{hf_config['hidden_act']}' (Forge's experts use silu)")
-    rope = hf_config.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default" or hf_config.get("rope_scaling"):
         problems.append(f"RoPE scaling '{hf_config.get('rope_scaling') or rope_type}' (Forge has plain RoPE)")
-    dim, heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
-    max_len = hf_config.get("max_position_embeddings", 2048)
-    if hf_config.get("head_dim") not in (None, dim // heads):
-        problems.append(f"head_dim {hf_config['head_dim']} != hidden_size / num_attention_heads ({dim // heads})")
-    window = hf_config.get("sliding_window")
+    dim, heads, max_len = sizes["dim"], sizes["n_heads"], sizes["max_seq_len"]
+    if head_dim not in (None, dim // heads):
+        problems.append(f"head_dim {head_dim} != hidden_size / num_attention_heads ({dim // heads})")
     if window is not None and window < max_len:
         problems.append(f"sliding_window {window} (Forge attends to the whole sequence)")
-    if hf_config.get("router_jitter_noise", 0.0):
+    if jitter:
         problems.append(f"router_jitter_noise {hf_config['router_jitter_noise']} (set it to 0 to import)")
     if problems:
         raise ForgeError("this Mixtral checkpoint cannot be imported: " + "; ".join(problems) + ".")
-    hidden = hf_config["intermediate_size"]
-    sizes = swiglu_options_for(dim, hidden)
-    top_k = hf_config.get("num_experts_per_tok", 2)
+    options = swiglu_options_for(dim, sizes["hidden"])
     return {
         "dim": dim,
-        "n_layers": hf_config["num_hidden_layers"],
+        "n_layers": sizes["n_layers"],
         "n_heads": heads,
-        "n_kv_heads": hf_config.get("num_key_value_heads") or heads,
-        "vocab_size": hf_config["vocab_size"],
+        "n_kv_heads": sizes["n_kv_heads"],
+        "vocab_size": sizes["vocab_size"],
         "max_seq_len": max_len,
-        "rope_theta": float(rope.get("rope_theta", hf_config.get("rope_theta", 1e6))),
+        "rope_theta": rope_theta,
         "norm": "rmsnorm",
-        "norm_eps": hf_config.get("rms_norm_eps", 1e-5),
+        "norm_eps": norm_eps,
         "qk_norm": False,
         "tie_embeddings": tied,
-        "init_std": hf_config.get("initializer_range", 0.02),
+        "init_std": init_std,
         "ffn": {
             "name": "moe",
-            "n_experts": hf_config.get("num_local_experts", 8),
+            "n_experts": n_experts,
             "top_k": top_k,
-            "hidden_multiplier": sizes.hidden_multiplier,
-            "multiple_of": sizes.multiple_of,
+            "hidden_multiplier": options.hidden_multiplier,
+            "multiple_of": options.multiple_of,
             "expert_multiplier": 1.0,
             "n_shared_experts": 0,
             "every_n_layers": 1,
             "first_moe_layer": 0,
             "router": {
                 "name": "softmax_topk",
-                "balance_loss_weight": float(hf_config.get("router_aux_loss_coef", 0.0)) * top_k,
+                "balance_loss_weight": aux_loss * top_k,
                 "z_loss_weight": 0.0,
                 "renormalize": True,
             },
@@ -171,6 +184,11 @@ def from_mixtral_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[st
             experts.setdefault((index, expert.group(2)), {})[int(expert.group(1))] = tensor
             return {}
         if name == "mlp.experts.gate_up_proj":
+            if tensor.ndim != 3 or tensor.shape[1] % 2:
+                raise ForgeError(
+                    f"model.layers.{index}.{name} has shape {list(tensor.shape)}; the fused layout is "
+                    "[experts, 2 * intermediate_size, hidden_size]."
+                )
             gate, up = tensor.chunk(2, dim=1)
             return {"feed_forward.experts.w1": gate, "feed_forward.experts.w3": up}
         if name == "mlp.experts.down_proj":
@@ -181,6 +199,9 @@ def from_mixtral_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[st
     for (index, kind), by_expert in experts.items():
         if sorted(by_expert) != list(range(len(by_expert))):
             raise ForgeError(f"layer {index}'s experts are not numbered 0..{len(by_expert) - 1}: {sorted(by_expert)}")
+        shapes = {tuple(tensor.shape) for tensor in by_expert.values()}
+        if len(shapes) > 1:
+            raise ForgeError(f"layer {index}'s experts' {kind} weights differ in shape: {sorted(shapes)}.")
         out[f"layers.{index}.feed_forward.experts.{kind}"] = torch.stack([by_expert[e] for e in sorted(by_expert)])
     missing = [
         f"layers.{i}.feed_forward.experts.{kind}"
@@ -195,5 +216,6 @@ def from_mixtral_state(state: dict[str, torch.Tensor], n_layers: int) -> dict[st
 
 def from_mixtral(hf_config: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
     """``([model] table, Forge state dict)`` of a Mixtral model (``forge_lm_hf_import``)."""
-    tied = "lm_head.weight" not in state or bool(hf_config.get("tie_word_embeddings", False))
-    return model_table(hf_config, tied), from_mixtral_state(state, hf_config["num_hidden_layers"])
+    tied = "lm_head.weight" not in state or HFConfigReader(hf_config, "Mixtral").flag("tie_word_embeddings", False)
+    table = model_table(hf_config, tied)  # checks the config's fields before the state is read by them
+    return table, from_mixtral_state(state, table["n_layers"])
