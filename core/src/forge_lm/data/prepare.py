@@ -63,6 +63,10 @@ def read_documents(files: Sequence[Path], format: str, text_field: str) -> Itera
                     raise ForgeError(
                         f"{path}:{number} is not valid JSON ({exc.msg}); fix or remove the line."
                     ) from None
+                except (ValueError, RecursionError) as exc:  # a number too long, or nesting too deep
+                    raise ForgeError(
+                        f"{path}:{number} cannot be read as JSON ({exc}); fix or remove the line."
+                    ) from None
                 if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
                     keys = ", ".join(repr(k) for k in row) if isinstance(row, dict) else "none: not an object"
                     raise ForgeError(

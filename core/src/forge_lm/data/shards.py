@@ -65,7 +65,7 @@ def read_metadata(shard: Path, *, required: bool) -> dict[str, Any]:
         return {}
     try:
         metadata = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 and bad JSON are ValueErrors; nesting recurses
         raise ForgeError(
             f"metadata file '{path}' is not valid JSON ({exc}); fix it or prepare the data again."
         ) from None

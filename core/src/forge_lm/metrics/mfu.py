@@ -578,7 +578,7 @@ def cache_path() -> Path:
 def _read_cache(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}  # absent or damaged: measure again and rewrite it
     return data if isinstance(data, dict) else {}
 

@@ -100,7 +100,7 @@ def _eos_from_tokenizer_config(config_path: Path) -> str | None:
     # transformers keeps eos_token beside tokenizer.json, as a string or as an AddedToken table.
     try:
         eos = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None  # no readable config beside the file: fall back to the usual tokens
     if isinstance(eos, dict):
         eos = eos.get("content")

@@ -241,7 +241,7 @@ def _read_manifest(path: Path) -> tuple[list[dict[str, str]], str]:
     """The stored plugin manifest, or what is wrong with it."""
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 and bad JSON are ValueErrors; nesting recurses
         return [], f"its {MANIFEST_FILE} is not valid JSON ({exc}), so whether the plugins changed cannot be told"
     except OSError as exc:
         return [], f"its {MANIFEST_FILE} cannot be read ({exc.strerror}), so whether the plugins changed cannot be told"

@@ -160,7 +160,7 @@ def _read(fd: int) -> dict[str, Any] | None:
         return None
     try:
         holder = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # bad UTF-8 and bad JSON are ValueErrors; nesting recurses
         return {}
     return holder if isinstance(holder, dict) else {}
 
