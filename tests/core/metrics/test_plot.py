@@ -12,6 +12,7 @@ from forge_lm.cli import main
 from forge_lm.errors import PluginError, UsageError
 from forge_lm.metrics import plot as plot_module
 from forge_lm.metrics.plot import build_figure, plot_run, plot_runs, run_names
+from forge_lm.run_links import LinkInRunDir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -171,6 +172,16 @@ def test_plot_run_accepts_the_metrics_file_itself_and_an_output_path(run_dir, tm
 def test_a_run_without_a_metrics_file_is_refused_with_what_to_give(tmp_path):
     with pytest.raises(UsageError, match=r"no metrics file at '.*metrics.jsonl'. Give the run directory of a run"):
         plot_run(tmp_path)
+
+
+def test_a_run_whose_metrics_file_is_a_link_out_of_it_is_refused_and_the_file_itself_is_plotted(run_dir, tmp_path):
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.jsonl"
+    (run_dir / "metrics.jsonl").rename(outside)
+    (run_dir / "metrics.jsonl").symlink_to(outside)
+    with pytest.raises(LinkInRunDir, match=r"metrics\.jsonl' is a symbolic link .* Give the file it points to"):
+        plot_run(run_dir)
+    assert not (run_dir / "metrics.png").exists()
+    assert plot_run(outside, tmp_path / "curves.png").read_bytes().startswith(PNG_SIGNATURE)  # named: read
 
 
 def test_a_last_line_cut_short_by_a_crash_is_left_out(run_dir, monkeypatch):

@@ -202,6 +202,8 @@ def build_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], title: str = "
 def metrics_file_of(path: str | Path) -> Path:
     """The metrics file of a run directory (or the file itself); UsageError if there is none."""
     path = Path(path)
+    if path.is_dir():  # a run directory: its metrics file is read only if it is the run's own
+        refuse_links(path, [METRICS_FILE], "Give the file it points to itself if you mean to plot that file.")
     metrics_file = path if path.is_file() else path / METRICS_FILE
     if not metrics_file.is_file():
         raise UsageError(
