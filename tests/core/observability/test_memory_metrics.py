@@ -27,8 +27,9 @@ def test_cpu_rss_matches_the_kernels_count_and_follows_an_allocation():
     # 256 MiB of pages new to the process, written so they are resident: a mapping of its own, since
     # a tensor's memory may come from heap pages the process already holds (Forge's CPU runs keep
     # freed memory, forge_lm.train.cpu_memory, and earlier tests in this process ran some).
-    ballast = mmap.mmap(-1, 256 * 1024**2)
-    ballast.write(b"\1" * len(ballast))
+    ballast, page = mmap.mmap(-1, 256 * 1024**2), b"\1" * mmap.PAGESIZE
+    for offset in range(0, len(ballast), len(page)):  # page by page: no 256 MiB buffer to write from
+        ballast[offset : offset + len(page)] = page
     after = metrics.read()["memory/rss_gib"]
     assert after == pytest.approx(vm_rss_gib(), abs=0.01)
     assert after - before == pytest.approx(0.25, abs=0.03)
