@@ -85,24 +85,16 @@ def run(args, overrides, plugins) -> int:
 
 def _check_fits(config, registry, imported) -> None:
     """Refuse a model whose weights and optimizer state exceed this host's available memory, from
-    its estimate, before anything is allocated: its sizes come from an untrusted ``config.json``
-    (as ``forge generate`` does for a run's config.toml)."""
-    import torch
-
-    from forge_lm.distributed.mesh import ParallelDims
+    its estimate, before anything is allocated: its sizes come from an untrusted ``config.json``."""
     from forge_lm.errors import ConfigError
-    from forge_lm.model.memory import estimate_memory, format_bytes, memory_limit
+    from forge_lm.model.memory import loading_shortfall
 
-    estimate = estimate_memory(config, config.model.vocab_size, registry, ParallelDims(), None)
-    needed = estimate.weights + estimate.optimizer_state
-    limit = memory_limit(torch.device("cpu"), processes_on_host=1)
-    if limit is not None and needed > limit.bytes:
-        about = "about" if estimate.count.exact else "at least"
+    shortfall = loading_shortfall(config, config.model.vocab_size, registry)
+    if shortfall is not None:
         raise ConfigError(
-            f"'{imported.config_path}' describes a model that needs {about} {format_bytes(needed)} for its weights "
-            f"and optimizer state, more than the {format_bytes(limit.bytes)} {limit.source} ({estimate.parameters()}"
-            f", as {imported.plugin.label} converts it). Check its sizes (hidden_size, intermediate_size, "
-            "num_hidden_layers, vocab_size, max_position_embeddings), or import it on a machine with more memory."
+            f"'{imported.config_path}' describes a model that {shortfall}, as {imported.plugin.label} converts it. "
+            "Check its sizes (hidden_size, intermediate_size, num_hidden_layers, vocab_size, "
+            "max_position_embeddings), or import it on a machine with more memory."
         )
 
 

@@ -376,6 +376,26 @@ def refusal(estimate: MemoryEstimate, limit: MemoryLimit) -> str:
     )
 
 
+def loading_shortfall(config: ForgeConfig, vocab_size: int, registry: Any) -> str | None:
+    """For a model loaded from files whose sizes nobody has checked (``forge generate`` and
+    ``export-hf`` from a run, ``import-hf`` from a Hugging Face directory): what its weights and
+    optimizer state need, against this host's available memory, when they do not fit ("needs about
+    ... more than the ..."); None when they fit or the host's memory is unknown. The callers refuse
+    with it, saying where the sizes came from, before the model's first allocation."""
+    from forge_lm.distributed.mesh import ParallelDims  # a single process: nothing is sharded
+
+    estimate = estimate_memory(config, vocab_size, registry, ParallelDims(), None)
+    needed = estimate.weights + estimate.optimizer_state
+    limit = memory_limit(torch.device("cpu"), processes_on_host=1)
+    if limit is None or needed <= limit.bytes:
+        return None
+    about = "about" if estimate.count.exact else "at least"
+    return (
+        f"needs {about} {format_bytes(needed)} for its weights and optimizer state, more than the "
+        f"{format_bytes(limit.bytes)} {limit.source} ({estimate.parameters()})"
+    )
+
+
 def check_memory(
     config: ForgeConfig,
     vocab_size: int,

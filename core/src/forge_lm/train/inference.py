@@ -18,10 +18,9 @@ import torch
 from forge_lm.checkpoint import CHECKPOINTS, CheckpointManager, step_of
 from forge_lm.checkpoint._state import TRAINER_STATE
 from forge_lm.config import load_config
-from forge_lm.distributed.mesh import ParallelDims
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.model import build_model
-from forge_lm.model.memory import estimate_memory, format_bytes, memory_limit
+from forge_lm.model.memory import loading_shortfall
 from forge_lm.train.run_dir import CONFIG_FILE
 
 
@@ -54,13 +53,9 @@ def _check_fits(config: Any, vocab_size: int, registry: Any, run_dir: Path) -> N
     """Refuse a model whose weights and optimizer state (loaded with it) exceed this host's
     available memory: its numbers come from a file, and building it would be the first
     allocation."""
-    cpu = torch.device("cpu")
-    estimate = estimate_memory(config, vocab_size, registry, ParallelDims(), None)
-    needed = estimate.weights + estimate.optimizer_state
-    limit = memory_limit(cpu, processes_on_host=1)
-    if limit is not None and needed > limit.bytes:
+    shortfall = loading_shortfall(config, vocab_size, registry)
+    if shortfall is not None:
         raise ConfigError(
-            f"the model of '{run_dir}' needs about {format_bytes(needed)} for its weights and optimizer state, "
-            f"more than the {format_bytes(limit.bytes)} {limit.source} ({estimate.parameters()}); its "
-            f"{CONFIG_FILE} may have been edited, or the run was trained on a larger machine."
+            f"the model of '{run_dir}' {shortfall}; its {CONFIG_FILE} may have been edited, or the run was "
+            "trained on a larger machine."
         )
