@@ -129,7 +129,9 @@ def test_top_k_then_top_p_renormalises_in_between():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"temperature": -1.0}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
         ({"top_k": 0}, "top_k must be >= 1"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"max_new_tokens": 60}, r"prompt \(5 tokens\) plus max_new_tokens \(60\) exceeds the model's max_seq_len"),
@@ -139,6 +141,13 @@ def test_invalid_sampling_settings_are_refused_with_the_rule(make_model, kwargs,
     arguments = {"max_new_tokens": 4, **kwargs}
     with pytest.raises(ForgeError, match=message):
         generate(make_model(), tokens(5), **arguments)
+
+
+def test_a_temperature_near_zero_samples_the_most_likely_token_instead_of_overflowing():
+    logits = torch.tensor([2.0, 5.0, -1.0, 4.5])
+    probs = sampling_probs(logits, temperature=1e-45)  # raw logits / 1e-45 overflow to inf (nan probs)
+    assert torch.equal(probs, torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    assert torch.allclose(sampling_probs(logits, temperature=0.7), torch.softmax(logits / 0.7, dim=-1), atol=1e-7)
 
 
 def test_an_empty_prompt_or_unknown_token_is_refused(make_model):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +23,10 @@ def sampling_probs(
     tokens more likely than it is below ``top_p``, so the most likely one always stays);
     renormalise.
     """
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # Shifted so the largest is 0 before dividing (softmax does not change): a temperature near 0
+    # then sends the others towards -inf, where dividing the raw logits would overflow to inf.
+    logits = (logits - logits.max()) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -95,8 +99,8 @@ def _check_arguments(
         raise ForgeError("the prompt is empty; give at least one token (for example the tokenizer's eos_id).")
     if max_new_tokens < 0:
         raise ForgeError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
-    if temperature < 0:
-        raise ForgeError(f"temperature must be >= 0 (0 = greedy), got {temperature}.")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ForgeError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}.")
     if top_k is not None and top_k < 1:
         raise ForgeError(f"top_k must be >= 1 (or unset), got {top_k}.")
     if top_p is not None and not 0 < top_p <= 1:
