@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from forge_lm.cli._main import main
 from forge_lm.data.prepare import prepare
+from forge_lm.errors import ForgeError
 
 TEXTS = {"b.txt": "The second file.\nIt has two lines.\n", "a.txt": "First: héllo wörld\n", "c.md": "# third\n"}
 
@@ -104,6 +106,86 @@ def test_an_output_directory_with_shards_is_refused(tmp_path, corpus, capsys):
     assert prepare_data(str(corpus), "-o", str(tmp_path / "out")) == 0
     assert prepare_data(str(corpus), "-o", str(tmp_path / "out")) == 2
     assert "already holds shards (shard_00000.bin, ...); choose an empty directory" in capsys.readouterr().err
+
+
+def test_a_link_among_the_shard_names_is_refused_and_its_target_left_alone(tmp_path, corpus, capsys):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "shard_00000.json").symlink_to(victim)
+
+    assert prepare_data(str(corpus), "-o", str(out)) == 2
+
+    err = capsys.readouterr().err
+    assert f"forge: error: '{out / 'shard_00000.json'}' is a symbolic link (to '{victim}')" in err
+    assert "Choose an empty directory for --output" in err
+    assert victim.read_text() == "keep me\n"
+    assert sorted(path.name for path in out.iterdir()) == ["shard_00000.json"]  # nothing written beside it
+
+
+def test_existing_shard_metadata_counts_as_existing_shards(tmp_path, corpus, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "shard_00000.json").write_text("{}\n")
+
+    assert prepare_data(str(corpus), "-o", str(out)) == 2
+
+    assert "already holds shards (shard_00000.json, ...); choose an empty directory" in capsys.readouterr().err
+    assert (out / "shard_00000.json").read_text() == "{}\n"
+
+
+def test_a_shard_name_taken_while_writing_is_never_written_through(tmp_path, corpus, monkeypatch):
+    # A link planted after the output was checked: the shard is created with O_EXCL | O_NOFOLLOW.
+    from forge_lm.data import prepare as prepare_module
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    out = tmp_path / "out"
+    check = prepare_module._check_output
+
+    def check_then_plant(output):
+        check(output)
+        (output / "shard_00000.json").symlink_to(victim)
+
+    monkeypatch.setattr(prepare_module, "_check_output", check_then_plant)
+
+    with pytest.raises(ForgeError, match="is a symbolic link"):
+        prepare([str(corpus)], out, WideTokenizer(), tokenizer_name="wide")
+
+    assert victim.read_text() == "keep me\n"
+    assert sorted(path.name for path in out.iterdir()) == ["shard_00000.json"]  # the link is not removed
+
+
+def test_an_output_that_is_a_file_is_a_clear_error(tmp_path, corpus, capsys):
+    (tmp_path / "out").write_text("not a folder\n")
+
+    assert prepare_data(str(corpus), "-o", str(tmp_path / "out")) == 2
+    assert f"forge: error: --output '{tmp_path / 'out'}' is a file, not a directory" in capsys.readouterr().err
+
+    assert prepare_data(str(corpus), "-o", str(tmp_path / "out" / "sub")) == 2
+    assert f"forge: error: cannot create or read the output directory '{tmp_path / 'out' / 'sub'}'" in (
+        capsys.readouterr().err
+    )
+    assert (tmp_path / "out").read_text() == "not a folder\n"
+
+
+def test_an_unreadable_input_is_named_and_leaves_no_shards(tmp_path, corpus, monkeypatch, capsys):
+    # Simulated, as /proc/self/mem is: opening works, reading fails with an I/O error (no file name).
+    broken = corpus / "b.txt"
+    read_bytes = Path.read_bytes
+
+    def fail(path: Path) -> bytes:
+        if path == broken:
+            raise OSError(5, "Input/output error")
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", fail)
+
+    assert prepare_data(str(corpus), "-o", str(tmp_path / "out"), "--shard-tokens", "2") == 2
+
+    assert f"forge: error: cannot read '{broken}': Input/output error." in capsys.readouterr().err
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 def test_bad_input_is_an_error_naming_the_line_and_leaves_no_shards(tmp_path, capsys):

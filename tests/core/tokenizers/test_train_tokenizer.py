@@ -271,6 +271,40 @@ def test_an_unreadable_file_is_named(tmp_path, monkeypatch, capsys):
     assert f"forge: error: cannot read '{locked}': Permission denied." in capsys.readouterr().err
 
 
+def test_a_read_error_without_a_file_name_still_names_the_file(tmp_path, monkeypatch, capsys):
+    # As /proc/self/mem: opening works, the read fails with an I/O error that carries no file name.
+    broken = tmp_path / "broken.txt"
+    broken.write_text("text\n")
+    read_bytes = Path.read_bytes
+
+    def fail(path: Path) -> bytes:
+        if path == broken:
+            raise OSError(5, "Input/output error")
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", fail)
+
+    assert train_tokenizer_cli(str(broken), "--vocab-size", "300", "-o", str(tmp_path / "out")) == 2
+
+    assert f"forge: error: cannot read '{broken}': Input/output error." in capsys.readouterr().err
+
+
+def test_an_output_folder_that_cannot_be_created_fails_before_training(tmp_path, monkeypatch, capsys):
+    (tmp_path / "a.txt").write_text("the fox and the dog and the fox\n")
+    (tmp_path / "file").write_text("not a folder\n")
+    trained = []
+    monkeypatch.setattr(training, "new_tokenizer", lambda modules: trained.append(modules))
+
+    out = tmp_path / "file" / "out"
+    assert train_tokenizer_cli(str(tmp_path / "a.txt"), "--vocab-size", "300", "-o", str(out)) == 2
+
+    assert f"forge: error: --output '{out}' cannot be created: '{tmp_path / 'file'}' is not a directory" in (
+        capsys.readouterr().err
+    )
+    assert trained == []  # refused before any training time was spent
+    assert (tmp_path / "file").read_text() == "not a folder\n"
+
+
 def test_inputs_without_text_are_refused(tmp_path, capsys):
     (tmp_path / "blank.txt").write_text(" \n\n")
 

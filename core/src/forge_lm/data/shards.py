@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 
 from forge_lm.errors import ForgeError
+from forge_lm.run_links import write_text
 
 METADATA_FORMAT = "forge-lm-tokens/1"
 DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
@@ -150,6 +151,7 @@ def _open_npy(path: Path) -> Shard:
 
 
 def write_shard_metadata(shard: Path, metadata: dict[str, Any]) -> None:
-    """Write the metadata file of ``shard``."""
+    """Create the metadata file of ``shard``. Anything already at its name, a link included, is never
+    written through nor replaced: ``FileExistsError``."""
     body = {"format": METADATA_FORMAT, **metadata}
-    metadata_path(shard).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    write_text(metadata_path(shard), json.dumps(body, indent=2, sort_keys=True) + "\n", new=True)

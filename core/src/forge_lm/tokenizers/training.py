@@ -30,6 +30,7 @@ import attrs
 
 from forge_lm.data.prepare import FORMATS, read_documents, resolve_inputs
 from forge_lm.errors import ForgeError
+from forge_lm.run_links import write_text
 
 END_OF_TEXT = "<|endoftext|>"
 PADDING = "<|pad|>"
@@ -74,16 +75,36 @@ def output_file(output: Path, force: bool) -> Path:
     """``output/tokenizer.json``, checked before any training time is spent.
 
     Only that one file is written, so the directory may hold other things (shards, a config);
-    an existing tokenizer.json is replaced only with ``force``.
+    an existing tokenizer.json is replaced only with ``force``. A missing directory is created
+    only once training succeeds, but here it is checked that it can be: its nearest existing
+    folder above is a directory Forge may write in.
     """
-    if output.exists() and not output.is_dir():
-        raise ForgeError(f"--output '{output}' is a file; give a directory (tokenizer.json is written into it).")
+    if os.path.lexists(output) and not output.is_dir():
+        what = "a dangling symbolic link" if not output.exists() else "a file"
+        raise ForgeError(f"--output '{output}' is {what}; give a directory (tokenizer.json is written into it).")
+    _check_can_create(output)
     path = output / TOKENIZER_FILE
     if path.is_dir():
         raise ForgeError(f"'{path}' is a directory; remove it or choose another --output.")
     if path.exists() and not force:
         raise ForgeError(f"'{path}' already exists; pass --force to replace it, or choose another --output.")
     return path
+
+
+def _check_can_create(output: Path) -> None:
+    """Refuse ``output`` when it is missing and cannot be created: the nearest existing path above
+    it is not a directory, or one Forge may not create entries in."""
+    if output.is_dir():
+        return
+    above = output.absolute().parent
+    while not os.path.lexists(above) and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise ForgeError(
+            f"--output '{output}' cannot be created: '{above}' is not a directory; choose another --output."
+        )
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ForgeError(f"--output '{output}' cannot be created: '{above}' is not writable; choose another --output.")
 
 
 def train_tokenizer(
@@ -178,6 +199,7 @@ def _documents(
                 yield text
             on_progress(stats.bytes_read, total)
     except OSError as exc:  # a file that vanished or is not readable (permissions, I/O error)
+        # read_documents names the file itself; an error of the sizes' stat carries its name.
         name = exc.filename if exc.filename is not None else "an input file"
         raise ForgeError(f"cannot read '{name}': {exc.strerror or exc}.") from None
     on_read()
@@ -186,11 +208,26 @@ def _documents(
 def _save(tokenizer: Any, path: Path) -> None:
     # Written beside the target, then renamed over it: an interrupted run leaves either the old
     # file or the new one, never half a tokenizer.json.
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # The partial file is created anew (O_EXCL | O_NOFOLLOW): a link planted at its name is
+    # refused, never written through; os.replace then replaces a link at tokenizer.json itself.
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ForgeError(
+            f"cannot create the output directory '{path.parent}': {exc.strerror or exc}; choose another --output."
+        ) from None
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        tokenizer.save(str(partial), pretty=True)
+        write_text(partial, tokenizer.to_str(pretty=True), new=True)
+    except OSError as exc:
+        if isinstance(exc, FileExistsError):
+            raise ForgeError(f"'{partial}' is in the way of writing '{path}'; remove it and train again.") from None
+        partial.unlink(missing_ok=True)
+        raise ForgeError(f"cannot write '{partial}': {exc.strerror or exc}.") from None
+    try:
         os.replace(partial, path)
+    except OSError as exc:
+        raise ForgeError(f"cannot write '{path}': {exc.strerror or exc}.") from None
     finally:
         partial.unlink(missing_ok=True)
 
