@@ -2,7 +2,9 @@
 a model's config, config fields of the wrong type or value, sizes too large for this host or that
 disagree with the weights, shard lists that lead out of the directory, damaged weights, a plugin
 whose conversion returns an unusable table. Each is refused with exit 2 and a message naming the
-file, the field or the plugin, before a run directory is created."""
+file, the field or the plugin, before a run directory is created. And for ``forge export-hf``, an
+output directory holding links, an earlier export, or a file in its place: refused (exit 2)
+before anything is written."""
 
 from __future__ import annotations
 
@@ -99,6 +101,45 @@ def hf_import_plugin(body: str):
         importlib.invalidate_caches()
 
     return setup
+
+
+EXPORT = ("export-hf", "{run}", "{root}/out")
+VICTIM = "mine, not an export's\n"
+
+
+def link_in_out(name: str):
+    """An export directory ``{root}/out`` whose ``name`` is a link to the file ``{root}/victim``."""
+
+    def setup(ws: Workspace) -> None:
+        (ws.root / "victim").write_text(VICTIM)
+        (ws.root / "out").mkdir()
+        (ws.root / "out" / name).symlink_to(ws.root / "victim")
+
+    return setup
+
+
+def victim_kept_and_nothing_written(ws: Workspace, outcome) -> None:
+    assert (ws.root / "victim").read_text() == VICTIM
+    assert [path.name for path in (ws.root / "out").iterdir() if not path.is_symlink()] == []
+
+
+def out_a_file(ws: Workspace) -> None:
+    (ws.root / "out").write_text(VICTIM)
+
+
+def file_kept(ws: Workspace, outcome) -> None:
+    assert (ws.root / "out").read_text() == VICTIM
+
+
+def previous_export(ws: Workspace) -> None:
+    shutil.copytree(HF_SOURCE[0], ws.root / "out")
+    (ws.root / "out" / "model-00001-of-00002.safetensors").write_bytes(b"an older shard")
+
+
+def previous_export_kept(ws: Workspace, outcome) -> None:
+    for path in HF_SOURCE[0].iterdir():
+        assert (ws.root / "out" / path.name).read_bytes() == path.read_bytes(), path.name
+    assert (ws.root / "out" / "model-00001-of-00002.safetensors").read_bytes() == b"an older shard"
 
 
 HF_SOURCE: list[Path] = []  # filled by the autouse fixture below (case setups run inside the test)
@@ -243,6 +284,46 @@ CASES = [
         with_hf(
             lambda hf, ws: ((hf / "model.safetensors").unlink(), write("model.safetensors.index.json", "[1]")(hf, ws))
         ),
+    ),
+    # -- forge export-hf: what is already in OUT_DIR ---------------------------------------------------
+    Case(
+        "export-config-is-a-link",
+        EXPORT,
+        2,
+        _ERR + r"'.*/out/config\.json' is a symbolic link \(to '.*/victim'\); an export does not write through links",
+        link_in_out("config.json"),
+        needs_run=True,
+        check=victim_kept_and_nothing_written,
+    ),
+    Case(
+        "export-tokenizer-is-a-link",
+        EXPORT,
+        2,
+        _ERR + r"'.*/out/tokenizer\.json' is a symbolic link \(to '.*/victim'\); an export does not write through",
+        link_in_out("tokenizer.json"),
+        needs_run=True,
+        check=victim_kept_and_nothing_written,
+    ),
+    Case(
+        "export-into-a-file",
+        EXPORT,
+        2,
+        _ERR + r"'.*/out' exists and is not a directory",
+        out_a_file,
+        needs_run=True,
+        check=file_kept,
+    ),
+    Case(
+        "export-over-an-export",
+        EXPORT,
+        2,
+        _ERR
+        + r"'.*/out' already holds an export \(config\.json, model-00001-of-00002\.safetensors, model\.safetensors, "
+        r"special_tokens_map\.json, tokenizer\.json, tokenizer_config\.json\); export-hf does not overwrite it\. "
+        r"Choose another directory, or pass --force",
+        previous_export,
+        needs_run=True,
+        check=previous_export_kept,
     ),
 ]
 

@@ -207,7 +207,8 @@ def test_a_mixtral_export_gets_the_tokenizer_too(tmp_path, capsys):
     assert_same_loglikelihoods(run_dir, tmp_path / "hf", transformers.MixtralForCausalLM, manager)
 
 
-def test_a_plugin_tokenizer_without_a_hugging_face_form_is_named_in_a_warning(fake_site, tmp_path, capsys):
+def install_letters(fake_site) -> None:
+    """Plugin ``forge-letters``: tokenizer ``letters``, without a Hugging Face form."""
     fake_site.install(
         "forge-letters",
         textwrap.dedent(
@@ -231,6 +232,10 @@ def test_a_plugin_tokenizer_without_a_hugging_face_form_is_named_in_a_warning(fa
             """
         ),
     )
+
+
+def test_a_plugin_tokenizer_without_a_hugging_face_form_is_named_in_a_warning(fake_site, tmp_path, capsys):
+    install_letters(fake_site)
     run_dir = trained(tmp_path, "--tokenizer.name=letters", manager=PluginManager(PluginSettings(allow=("letters",))))
     capsys.readouterr()
 
@@ -243,3 +248,73 @@ def test_a_plugin_tokenizer_without_a_hugging_face_form_is_named_in_a_warning(fa
         "holds no tokenizer\n"
     )
     assert not (tmp_path / "hf" / "tokenizer.json").exists()
+
+
+def test_export_into_the_folder_of_the_runs_own_tokenizer_keeps_it_and_completes(trained_tokenizer, tmp_path, capsys):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    own = hf_dir / "tokenizer.json"  # the run trained with --tokenizer.path=hf/tokenizer.json
+    own.write_bytes(trained_tokenizer.read_bytes())
+    run_dir = trained(tmp_path, "--tokenizer.name=hf", f"--tokenizer.path={own}")
+    capsys.readouterr()
+
+    assert main(["--no-plugin-autoload", "export-hf", str(run_dir), str(hf_dir)]) == 0
+
+    assert capsys.readouterr().out == f"wrote a Hugging Face LlamaForCausalLM and its tokenizer to {hf_dir}\n"
+    assert own.read_bytes() == trained_tokenizer.read_bytes()
+    names = {path.name for path in hf_dir.iterdir()}
+    assert names == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    }
+    manager = PluginManager(PluginSettings(autoload=False))
+    assert_same_loglikelihoods(run_dir, hf_dir, transformers.LlamaForCausalLM, manager)
+
+
+def test_an_earlier_export_is_replaced_only_with_force_and_leaves_no_stale_shards(tmp_path, capsys):
+    run_dir = trained(tmp_path)
+    hf_dir = tmp_path / "hf"
+    assert main(["--no-plugin-autoload", "export-hf", str(run_dir), str(hf_dir)]) == 0
+    # What an earlier, sharded export (save_pretrained's) leaves beside it, and a file of the user's.
+    (hf_dir / "model.safetensors").rename(hf_dir / "model-00001-of-00002.safetensors")
+    (hf_dir / "model-00002-of-00002.safetensors").write_bytes(b"an older shard")
+    (hf_dir / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (hf_dir / "notes.txt").write_text("mine\n")
+    before = {path.name: path.read_bytes() for path in hf_dir.iterdir()}
+    capsys.readouterr()
+
+    assert main(["--no-plugin-autoload", "export-hf", str(run_dir), str(hf_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"forge: error: '{hf_dir}' already holds an export (config.json, model-00001-of-00002")
+    assert "pass --force" in err
+    assert {path.name: path.read_bytes() for path in hf_dir.iterdir()} == before
+
+    assert main(["--no-plugin-autoload", "export-hf", str(run_dir), str(hf_dir), "--force"]) == 0
+    names = {path.name for path in hf_dir.iterdir()}
+    assert names == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "notes.txt",
+    }
+    assert (hf_dir / "notes.txt").read_text() == "mine\n"
+    manager = PluginManager(PluginSettings(autoload=False))
+    assert_same_loglikelihoods(run_dir, hf_dir, transformers.LlamaForCausalLM, manager)
+
+
+def test_force_removes_the_tokenizer_files_of_an_earlier_export_that_this_one_does_not_write(fake_site, tmp_path):
+    hf_dir = tmp_path / "hf"
+    assert main(["--no-plugin-autoload", "export-hf", str(trained(tmp_path / "bytes")), str(hf_dir)]) == 0
+    install_letters(fake_site)
+    run_dir = trained(
+        tmp_path / "letters", "--tokenizer.name=letters", manager=PluginManager(PluginSettings(allow=("letters",)))
+    )
+
+    assert main(["--plugins", "letters", "export-hf", str(run_dir), str(hf_dir), "--force"]) == 0
+
+    assert {path.name for path in hf_dir.iterdir()} == {"config.json", "model.safetensors"}

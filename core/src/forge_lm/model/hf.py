@@ -18,10 +18,12 @@ them from the core's built-in plugin ``core.hf_llama``, after every other plugin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from forge_lm.errors import ForgeError
 from forge_lm.model.hf_fields import CONFIG_FILE, HFConfigReader
 from forge_lm.model.swiglu import SwiGLU
 from forge_lm.plugins import PluginHookFailed
+from forge_lm.run_links import LinkInRunDir
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints, as save_pretrained writes them
@@ -375,15 +378,70 @@ def _safetensors() -> Any:
 
 
 def write_hf(out_dir: str | Path, hf_config: dict[str, Any], state: dict[str, torch.Tensor]) -> Path:
-    """Write a Hugging Face model directory: ``config.json`` and ``model.safetensors``."""
+    """Write a Hugging Face model directory: ``config.json`` and ``model.safetensors``.
+
+    Neither is written through a link: a link at either name is refused (before anything is
+    written), and the weights are written beside their place and renamed over it."""
     st = _safetensors()
     tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in state.items()}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-    st.save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
-    os.chmod(out / WEIGHTS_FILE, _new_file_mode())  # safetensors writes 0600; give it config.json's usual mode
+    out = make_export_dir(out_dir)
+    refuse_export_links(out, (CONFIG_FILE, WEIGHTS_FILE))
+    write_export_file(out / CONFIG_FILE, (json.dumps(hf_config, indent=2) + "\n").encode("utf-8"))
+    fd, partial = tempfile.mkstemp(prefix=f".{WEIGHTS_FILE}.", suffix=".partial", dir=out)
+    os.close(fd)
+    try:
+        st.save_file(tensors, partial, metadata={"format": "pt"})
+        os.chmod(partial, _new_file_mode())  # safetensors writes 0600; give it config.json's usual mode
+        os.replace(partial, out / WEIGHTS_FILE)  # replaces the name: never writes through what was there
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
     return out
+
+
+def check_export_dir(out_dir: str | Path) -> Path:
+    """``out_dir`` as a path, refused when it is there and is not a directory."""
+    out = Path(out_dir)
+    if os.path.lexists(out) and not out.is_dir():
+        raise ForgeError(
+            f"'{out}' exists and is not a directory; give a directory to export into (a new one, or one of yours "
+            "that holds no export)."
+        )
+    return out
+
+
+def make_export_dir(out_dir: str | Path) -> Path:
+    """``out_dir``, created if missing; a path that is there and is not a directory is refused."""
+    out = check_export_dir(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:  # a level above it is a file
+        raise ForgeError(f"cannot create the export directory '{out}': {exc.strerror}: '{exc.filename}'.") from None
+    return out
+
+
+def write_export_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` without following a link there (``O_NOFOLLOW``, as
+    :func:`forge_lm.run_links.open_to_write`), a new file getting the mode ``open()`` gives one:
+    an export is the user's files, not a run's."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    with os.fdopen(os.open(path, flags, 0o666), "wb") as file:
+        file.write(data)
+
+
+def refuse_export_links(out: Path, names: Iterable[str]) -> None:
+    """Refuse (:class:`LinkInRunDir`, exit 2) the first of ``out``'s entries ``names`` that is a link."""
+    for name in sorted(set(names)):
+        path = out / name
+        if os.path.islink(path):
+            try:
+                target = f" (to '{os.readlink(path)}')"
+            except OSError:
+                target = ""
+            raise LinkInRunDir(
+                f"'{path}' is a symbolic link{target}; an export does not write through links, so that it never "
+                f"writes outside '{out}'. Remove the link, or export into another directory."
+            )
 
 
 def _new_file_mode() -> int:

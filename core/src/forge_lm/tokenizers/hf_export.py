@@ -22,7 +22,7 @@ tokenizer encodes its 13 bytes. Other tokenizers (a plugin's) have no known Hugg
 from __future__ import annotations
 
 import json
-import shutil
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +35,39 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"  # read by transformers releases before 5
 
 
+def hf_tokenizer_files(tokenizer: Any) -> list[str]:
+    """The names :func:`save_hf_tokenizer` writes for ``tokenizer``: none for a tokenizer without
+    a known Hugging Face form."""
+    if isinstance(tokenizer, (ByteTokenizer, HfTokenizer)):
+        return [TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE]
+    return []
+
+
 def save_hf_tokenizer(tokenizer: Any, out_dir: str | Path, model_max_length: int) -> list[str]:
     """Write ``tokenizer`` into ``out_dir`` in Hugging Face form; returns the names of the files
-    written, or an empty list when the tokenizer has no known Hugging Face form."""
-    out = Path(out_dir)
-    if isinstance(tokenizer, ByteTokenizer):
-        built = byte_tokenizer(tokenizer)  # before anything is written: it needs the tokenizers package
-        out.mkdir(parents=True, exist_ok=True)
-        built.save(str(out / TOKENIZER_FILE), pretty=True)
-    elif isinstance(tokenizer, HfTokenizer):
-        out.mkdir(parents=True, exist_ok=True)
-        if tokenizer.path is not None:
-            shutil.copyfile(tokenizer.path, out / TOKENIZER_FILE)
-        else:  # made in memory: its own serialisation
-            tokenizer._tokenizer.save(str(out / TOKENIZER_FILE), pretty=True)
-    else:
+    written, or an empty list when the tokenizer has no known Hugging Face form. No file is
+    written through a link: a link at any of their names is refused before anything is written.
+    The run's own ``tokenizer.json``, when it is ``out_dir/tokenizer.json``, is kept as it is."""
+    from forge_lm.model.hf import make_export_dir, refuse_export_links, write_export_file
+
+    names = hf_tokenizer_files(tokenizer)
+    if not names:
         return []
+    out = Path(out_dir)
+    # Read or built before anything is written: building needs the tokenizers package.
+    content: bytes | None
+    if isinstance(tokenizer, ByteTokenizer):
+        content = byte_tokenizer(tokenizer).to_str(pretty=True).encode("utf-8")
+    elif tokenizer.path is None:  # made in memory: its own serialisation
+        content = tokenizer._tokenizer.to_str(pretty=True).encode("utf-8")
+    elif is_same_file(tokenizer.path, out / TOKENIZER_FILE):
+        content = None  # already there
+    else:
+        content = Path(tokenizer.path).read_bytes()
+    out = make_export_dir(out)
+    refuse_export_links(out, names)
+    if content is not None:
+        write_export_file(out / TOKENIZER_FILE, content)
     special = {"eos_token": tokenizer.eos_token}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -58,9 +75,17 @@ def save_hf_tokenizer(tokenizer: Any, out_dir: str | Path, model_max_length: int
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
     }
-    (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    (out / SPECIAL_TOKENS_MAP_FILE).write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
-    return [TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE]
+    write_export_file(out / TOKENIZER_CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode("utf-8"))
+    write_export_file(out / SPECIAL_TOKENS_MAP_FILE, (json.dumps(special, indent=2) + "\n").encode("utf-8"))
+    return names
+
+
+def is_same_file(source: str | Path, target: Path) -> bool:
+    """Whether ``target`` (not a link) is the file ``source``: copying one onto the other would empty it."""
+    try:
+        return not os.path.islink(target) and os.path.samefile(source, target)
+    except OSError:  # either is missing
+        return False
 
 
 def byte_tokenizer(tokenizer: ByteTokenizer) -> Any:
