@@ -7,8 +7,10 @@ from __future__ import annotations
 import errno
 import math
 import os
+import select
 import socket
 import threading
+import time
 import urllib.error
 import warnings
 from collections.abc import Mapping
@@ -268,6 +270,50 @@ def test_finish_without_start_closes_the_socket(build_backend):
     backend.finish({})
 
     build_backend(port=backend.port).finish({})
+
+
+def test_idle_connections_hold_a_bounded_number_of_threads_and_time_out(build_backend, scrape, monkeypatch):
+    cap, clients = 4, 50
+    monkeypatch.setattr(backend_module, "MAX_CONNECTIONS", cap)
+    monkeypatch.setattr(backend_module, "REQUEST_TIMEOUT_S", 0.5)
+    backend = build_backend()
+    backend.start({}, [])
+    backend.log(3, {"loss": 2.0})
+    baseline = threading.active_count()
+
+    peak = baseline
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(clients):  # a request line, then nothing: the server waits for the headers
+            client = socket.create_connection(("127.0.0.1", backend.port), timeout=5)
+            client.sendall(b"GET /metrics HTTP/1.1\r\n")
+            idle.append(client)
+            peak = max(peak, threading.active_count())
+
+        # The server closes every one of them: over the cap at once, the others at the timeout.
+        open_ = list(idle)
+        deadline = time.monotonic() + 10
+        while open_ and time.monotonic() < deadline:
+            peak = max(peak, threading.active_count())
+            readable, _, _ = select.select(open_, [], [], 0.05)
+            for client in readable:
+                try:
+                    data = client.recv(4096)
+                except ConnectionError:
+                    data = b""
+                if not data:
+                    open_.remove(client)
+        assert peak - baseline <= cap + 1, f"{peak - baseline} server threads for {clients} idle connections"
+        assert not open_, f"{len(open_)} of {clients} idle connections still open after 10 s"
+    finally:
+        for client in idle:
+            client.close()
+
+    deadline = time.monotonic() + 5
+    while threading.active_count() > baseline and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == baseline
+    assert scrape(backend.url) == {"forge_step": 3.0, "forge_loss": 2.0}
 
 
 def test_a_port_in_use_is_a_plugin_error_naming_the_option_to_change(build_backend):

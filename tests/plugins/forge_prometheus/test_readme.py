@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from forge_lm.config import load_config
 from forge_lm.errors import PluginError
 from forge_lm.testing.markdown import code_block, code_blocks
-from forge_prometheus.backend import metric_name
+from forge_prometheus.backend import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, metric_name
 from forge_prometheus.plugin import PrometheusOptions
 
 README = Path(__file__).resolve().parents[3] / "plugins" / "forge-prometheus" / "README.md"
@@ -86,3 +86,9 @@ def test_the_scrape_shown_is_label_free_gauges_named_by_the_rule_from_their_keys
 def test_the_names_given_as_examples_follow_the_rule():
     for key, name in re.findall(r"`([\w/]+)` is `(forge_\w+)`", TEXT):
         assert metric_name("forge_", key) == name
+
+
+def test_the_connection_limits_are_the_ones_the_server_applies():
+    prose = " ".join(TEXT.split())  # wherever the lines break
+    assert f"at most {MAX_CONNECTIONS} connections at once" in prose
+    assert f"nothing for {REQUEST_TIMEOUT_S:g} seconds" in prose

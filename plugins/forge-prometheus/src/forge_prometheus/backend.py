@@ -18,6 +18,7 @@ another key (``eval/loss`` and ``eval_loss``) is not served, with one warning.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import numbers
 import re
@@ -116,7 +117,25 @@ class _LatestValues:
             yield self._gauge(name, f"Last value Forge logged for metric {key!r}", value=value)
 
 
+# The server runs inside the training process, and anyone who can reach its port can connect:
+# without these limits, each idle or half-sent connection held one thread until the run ended,
+# so a few hundred of them could exhaust the threads and memory the trainer itself needs.
+REQUEST_TIMEOUT_S = 10.0  # per socket read or write; a scrape takes milliseconds
+MAX_CONNECTIONS = 16  # connections served at once; one more is closed as soon as it is accepted
+
+
 class _QuietHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        # Read at each connection (not a class attribute), so the constant is the one in force.
+        self.timeout = REQUEST_TIMEOUT_S
+        super().setup()
+
+    def handle(self) -> None:
+        # A client that stalls past the timeout, or goes away, just loses its connection: no
+        # traceback on the run's standard error (the server closes the socket after this).
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            super().handle()
+
     def log_message(self, format: str, *args: Any) -> None:
         """No line per scrape on the run's standard error."""
 
@@ -124,6 +143,32 @@ class _QuietHandler(WSGIRequestHandler):
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a scrape in progress never keeps the process alive
     allow_reuse_port = False  # a second run on the same port must fail, not share it
+    # Connections not accepted yet wait in the kernel (no thread, no memory of the run's). With
+    # socketserver's default of 5, a burst of connections beyond it is retried by the clients a
+    # second later; 64 lets a burst be accepted, and each then served or closed at once.
+    request_queue_size = 64
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # One slot per connection being served: with the timeout above, at most MAX_CONNECTIONS
+        # threads, each held for at most REQUEST_TIMEOUT_S per read, however many clients connect.
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the cap: closed at once, no thread started
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # the thread did not start: its slot is free again (the caller closes the socket)
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)  # closes the connection when done
+        finally:
+            self._slots.release()
 
 
 class PrometheusBackend:
