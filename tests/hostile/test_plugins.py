@@ -462,6 +462,199 @@ CASES = [
         ),
         check=nothing_written,
     ),
+    # -- a factory returns something that is not its category's component: named where it is built ------
+    Case(
+        "optimizer-factory-returns-none",
+        (*TRAIN, "--optimizer.name=hostile_opt"),
+        2,
+        rf"forge: error: optimizer 'hostile_opt' from {PLUGIN} cannot be used: its factory returned None, not a "
+        r"torch\.optim\.Optimizer\. This is a bug in forge-hostile 1\.0: report it to its authors, or choose another "
+        r"optimizer\.$",
+        setup=hook(
+            "forge_lm_register_optimizers",
+            "register",
+            "register('hostile_opt', lambda options, model: None, description='x')",
+        ),
+        check=nothing_written,
+    ),
+    Case(
+        "scheduler-factory-returns-none",
+        (*TRAIN, "--scheduler.name=hostile_sched"),
+        2,
+        rf"forge: error: scheduler 'hostile_sched' from {PLUGIN} cannot be used: its factory returned None; the "
+        r"core needs a scheduler with step\(\), state_dict\(\) and load_state_dict\(state\)",
+        setup=hook(
+            "forge_lm_register_schedulers",
+            "register",
+            "register('hostile_sched', lambda options, optimizer, total: None, description='x')",
+        ),
+        check=nothing_written,
+    ),
+    Case(
+        "loss-factory-returns-none",
+        (*TRAIN, "--loss.name=hostile_loss"),
+        2,
+        rf"forge: error: loss 'hostile_loss' from {PLUGIN} cannot be used: its factory returned None, not a "
+        r"callable loss_fn",
+        setup=hook(
+            "forge_lm_register_losses", "register", "register('hostile_loss', lambda options: None, description='x')"
+        ),
+        check=nothing_written,
+    ),
+    Case(
+        "dataset-factory-returns-a-list",
+        (*TRAIN, "--data.name=hostile_data"),
+        2,
+        rf"forge: error: dataset 'hostile_data' from {PLUGIN} cannot be used: its factory returned a list without "
+        r"state_dict\(\), load_state_dict\(\);",
+        setup=hook(
+            "forge_lm_register_datasets",
+            "register",
+            "register('hostile_data', lambda options, context: [], description='x')",
+        ),
+        check=nothing_written,
+    ),
+    # -- a loss function returns something that is not a 0-d floating tensor: exit 4 ---------------------
+    Case(
+        "loss-returns-none",
+        (*TRAIN, "--loss.name=hostile_loss"),
+        4,
+        rf"forge: error: {PLUGIN} returned None from its loss 'hostile_loss'; the core needs a 0-d floating tensor "
+        r".*Training stopped at step 0; no checkpoint was written yet\. Fix the plugin or run without it \(set another "
+        r"\[loss\] name\), then run the same command to resume\.$",
+        setup=hook(
+            "forge_lm_register_losses",
+            "register",
+            "register('hostile_loss', lambda options: lambda logits, labels: None, description='x')",
+        ),
+        check=nothing_saved,
+    ),
+    Case(
+        "loss-returns-a-per-token-vector-at-step-3",
+        (*TRAIN, "--loss.name=hostile_loss"),
+        4,
+        rf"forge: error: {PLUGIN} returned a tensor of shape \[32\] and dtype float32 from its loss 'hostile_loss'; .*"
+        r"Training stopped at step 2; the newest checkpoint \(step_2\) is intact\.",
+        setup=plugin(
+            """
+            import torch.nn.functional as F
+
+            calls = []
+
+            def loss(logits, labels):
+                calls.append(1)
+                per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+                return per_token if len(calls) == 3 else per_token.mean()
+
+            @hookimpl
+            def forge_lm_register_losses(register):
+                register("hostile_loss", lambda options: loss, description="x")
+            """
+        ),
+        check=stopped_at(2, [1, 2]),
+    ),
+    # -- model transforms: every installed one takes part in every run, so a failing one is named ---------
+    Case(
+        "transform-enabled-raises-on-a-plain-run",
+        TRAIN,
+        2,
+        rf"forge: error: model transform 'hostile_tr' of {PLUGIN} failed in enabled\(\): RuntimeError: kaput\. This "
+        r"is a bug in forge-hostile 1\.0: report it to its authors, or run without the plugin \(--block-plugin "
+        r"hostile\)\.$",
+        setup=plugin(
+            """
+            from forge_lm.distributed import ModelTransform
+
+            def enabled(context):
+                raise RuntimeError("kaput")
+
+            def noop(model, context):
+                pass
+
+            @hookimpl
+            def forge_lm_register_model_transforms(register):
+                register("hostile_tr", lambda options: ModelTransform("compile", enabled, noop), description="x")
+            """
+        ),
+        check=nothing_written,
+    ),
+    Case(
+        "transform-enabled-returns-a-string",
+        TRAIN,
+        2,
+        rf"forge: error: model transform 'hostile_tr' of {PLUGIN}: enabled\(\) returned str, not a bool\. .*"
+        r"--block-plugin hostile",
+        setup=plugin(
+            """
+            from forge_lm.distributed import ModelTransform
+
+            def answer(context):
+                return "no"
+
+            def noop(model, context):
+                pass
+
+            @hookimpl
+            def forge_lm_register_model_transforms(register):
+                register("hostile_tr", lambda options: ModelTransform("compile", answer, noop), description="x")
+            """
+        ),
+        check=nothing_written,
+    ),
+    Case(
+        "transform-apply-raises-on-a-plain-run",
+        TRAIN,
+        2,
+        rf"forge: error: model transform 'hostile_tr' of {PLUGIN} failed in apply\(\): RuntimeError: kaput\. .*"
+        r"--block-plugin hostile",
+        setup=plugin(
+            """
+            from forge_lm.distributed import ModelTransform
+
+            def apply(model, context):
+                raise RuntimeError("kaput")
+
+            @hookimpl
+            def forge_lm_register_model_transforms(register):
+                register("hostile_tr", lambda options: ModelTransform("compile", bool, apply), description="x")
+            """
+        ),
+        check=nothing_written,
+    ),
+    Case(
+        "transform-factory-raises-on-a-plain-run",
+        TRAIN,
+        2,
+        rf"forge: error: model transform 'hostile_tr' from {PLUGIN} could not be built: ZeroDivisionError: division by "
+        r"zero\. .*Or run without the plugin \(--block-plugin hostile\)\.$",
+        setup=hook(
+            "forge_lm_register_model_transforms",
+            "register",
+            "register('hostile_tr', lambda options: 1 / 0, description='x')",
+        ),
+        check=nothing_written,
+    ),
+    # -- an evaluator raises: stopped like a failing eval_end hook, the evaluated step saved ---------------
+    Case(
+        "evaluator-raises-at-its-first-evaluation",
+        (*TRAIN, "--eval.interval=3", "--eval.steps=1", '--eval.evaluators=["hostile_eval"]'),
+        4,
+        rf"forge: error: {PLUGIN} raised in evaluate\(\) of its evaluator 'hostile_eval' at step 3: RuntimeError: "
+        r"kaput\. Training stopped at step 3 after saving a checkpoint of that step, which is intact\. Fix the plugin "
+        r"or run without it \(remove 'hostile_eval' from \[eval\] evaluators\), then run the same command to resume\.$",
+        setup=plugin(
+            """
+            class Evaluator:
+                def evaluate(self, model, step):
+                    raise RuntimeError("kaput")
+
+            @hookimpl
+            def forge_lm_register_evaluators(register):
+                register("hostile_eval", lambda options, context: Evaluator(), description="x")
+            """
+        ),
+        check=stopped_at(3, [1, 2, 3]),
+    ),
     Case(
         "incompatible-plugin",
         TRAIN,
@@ -478,6 +671,75 @@ CASES = [
         rf"forge: error: {PLUGIN} failed while checking the config: AttributeError: .*--block-plugin hostile\)\.$",
         setup=hook("forge_lm_configure", "config", "return config.no_such_section"),
         check=nothing_written,
+    ),
+    # -- a dataset's or scheduler's state_dict() that a resume could not load: exit 4 at that save ---------
+    # Saved, it would make every checkpoint of the run unusable; the save is refused instead, the one
+    # before it intact (train.run_state.save_run).
+    Case(
+        "dataset-state-changes-shape",
+        (*TRAIN, "--data.name=hostile_data"),
+        4,
+        rf"forge: error: {PLUGIN} provides the dataset 'hostile_data', whose state at step 4 a resume could not "
+        r"load: state_dict\(\)\.last is not a boolean .*Rule: a state_dict must keep the shape it had when the "
+        r"component was built: same keys, same kinds of values\. Training stopped at step 4; the newest checkpoint "
+        rf"\(step_2\) is intact\. {STOPPED}",
+        setup=plugin(
+            """
+            from forge_lm.data.synthetic import SyntheticTokens
+
+            class Data(SyntheticTokens):  # "last" is None up to the first save (4 samples), then an int
+                def state_dict(self):
+                    return {"next_index": self._start, "last": None if self._start <= 4 else self._start}
+
+            @hookimpl
+            def forge_lm_register_datasets(register):
+                register("hostile_data", lambda options, context: Data(context), description="x")
+            """
+        ),
+        check=stopped_at(2, [1, 2, 3, 4]),
+    ),
+    Case(
+        "dataset-state-holds-a-set",
+        (*TRAIN, "--data.name=hostile_data"),
+        4,
+        rf"forge: error: {PLUGIN} provides the dataset 'hostile_data', whose state at step 2 a resume could not "
+        r"load: state_dict\(\)\.seen is a set\. Rule: a state_dict must be plain JSON data",
+        setup=plugin(
+            """
+            from forge_lm.data.synthetic import SyntheticTokens
+
+            class Data(SyntheticTokens):
+                def state_dict(self):
+                    return {"next_index": self._start, "seen": {1, 2}}
+
+            @hookimpl
+            def forge_lm_register_datasets(register):
+                register("hostile_data", lambda options, context: Data(context), description="x")
+            """
+        ),
+        check=lambda ws, outcome: (nothing_saved(ws, outcome), assert_no_step_written(ws)),
+    ),
+    Case(
+        "scheduler-state-dict-returns-none",
+        (*TRAIN, "--scheduler.name=hostile_schedule"),
+        4,
+        rf"forge: error: {PLUGIN} provides the scheduler 'hostile_schedule', whose state at step 2 a resume could "
+        r"not load: state_dict\(\) is a NoneType, not a dict\. .*Training stopped at step 2; no checkpoint was "
+        rf"written yet\. {STOPPED}",
+        setup=plugin(
+            """
+            import torch
+
+            class Schedule(torch.optim.lr_scheduler.LambdaLR):
+                def state_dict(self):
+                    return None
+
+            @hookimpl
+            def forge_lm_register_schedulers(register):
+                register("hostile_schedule", lambda options, opt, total: Schedule(opt, lambda s: 1.0), description="x")
+            """
+        ),
+        check=lambda ws, outcome: (nothing_saved(ws, outcome), assert_no_step_written(ws)),
     ),
 ]
 
@@ -498,6 +760,11 @@ def assert_losses_positive(ws: Workspace) -> None:
 
 def assert_in(text: str, stderr: str) -> None:
     assert text in stderr, stderr
+
+
+def assert_no_step_written(ws: Workspace) -> None:
+    """Not even a partial step directory: the refused save wrote nothing."""
+    assert not list(ws.checkpoints.glob("step_*")), sorted(p.name for p in ws.checkpoints.iterdir())
 
 
 @pytest.fixture

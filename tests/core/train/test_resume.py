@@ -15,6 +15,7 @@ from forge_lm.config import load_config
 from forge_lm.errors import ConfigError
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.testing import TINY_MODEL
 from forge_lm.train import loop, train
 
 
@@ -157,3 +158,27 @@ def test_a_failed_final_save_stops_at_once(tiny_config, manager, monkeypatch):
     with pytest.raises(CheckpointSaveFailed, match="Stopping: this was the final save, which cannot be retried"):
         train(config, manager)
     assert (Path(config.train.output_dir) / "checkpoints" / "latest").read_text().strip() == "step_4"
+
+
+def test_a_mixture_of_different_kinds_of_source_resumes_with_the_losses_of_an_uninterrupted_run(manager, tmp_path):
+    # The data position holds one state per source, of different shapes: each is checked against
+    # its own source's live state, not against the first source's.
+    mixture = tmp_path / "mixture.toml"
+    mixture.write_text(
+        "[data]\nname = 'mixture'\nweights = [1.0, 1.0]\n"
+        "[[data.sources]]\nname = 'python_stdlib'\n[[data.sources]]\nname = 'synthetic'\n"
+    )
+    tiny = [*TINY_MODEL, "--train.batch_size=4", "--train.seq_len=16", '--metrics.backends=["jsonl"]']
+    tiny += ["--metrics.log_interval=1", "--checkpoint.interval=2", "--eval.interval=0", "--scheduler.name=constant"]
+
+    def config(steps: int, run_dir: Path):
+        return load_config(
+            mixture, [*tiny, f"--train.max_steps={steps}", f"--train.output_dir={run_dir}"], manager.registry
+        )
+
+    straight = train(config(6, tmp_path / "straight"), manager).run_dir
+    interrupted = train(config(4, tmp_path / "interrupted"), manager).run_dir
+    resumed = train(config(6, interrupted), manager)
+    assert resumed.steps == 6
+    losses = [[r["loss"] for r in read_metrics(d / "metrics.jsonl") if "loss" in r] for d in (straight, interrupted)]
+    assert losses[1] == losses[0]  # bitwise: the resume drew the same samples from each source

@@ -101,9 +101,10 @@ def _check_tensor_references(tree: Any, where: str, depth: int = 0) -> None:
 def check_like(saved: Any, current: Any, what: str, depth: int = 0, *, equal_lengths: bool = False) -> None:
     """``saved`` (from a checkpoint) has the shape of ``current`` (the live object's state): the
     same keys, and values of the same kinds, so that loading it cannot plant a string where the
-    code expects a number. Lists may differ in length, their items checked against the first
-    live item; with ``equal_lengths`` (state with one entry per parameter group, such as a
-    scheduler's) they have the live lists' lengths, each item checked against its live one."""
+    code expects a number. Lists of the live list's length are checked item by item; others
+    may differ in length, their items checked against the first live item. With
+    ``equal_lengths`` (state with one entry per parameter group, such as a scheduler's) every
+    list must have its live list's length."""
     _require(depth < 64, f"{what} is nested too deeply")
     if isinstance(current, dict):
         _require(isinstance(saved, dict), f"{what} is not a JSON object")
@@ -114,8 +115,11 @@ def check_like(saved: Any, current: Any, what: str, depth: int = 0, *, equal_len
         _require(isinstance(saved, list | tuple), f"{what} is not a list")
         if equal_lengths:
             _require(len(saved) == len(current), f"{what} has {len(saved)} entries, expected {len(current)}")
+        if len(saved) == len(current):
+            # Item by item: a list of different things (a mixture's sources' states) is checked
+            # against its own live items, not all against the first one.
             for index, (item, live) in enumerate(zip(saved, current, strict=True)):
-                check_like(item, live, f"{what}[{index}]", depth + 1, equal_lengths=True)
+                check_like(item, live, f"{what}[{index}]", depth + 1, equal_lengths=equal_lengths)
         elif current:
             for item in saved:
                 check_like(item, current[0], f"{what}[]", depth + 1)

@@ -32,7 +32,8 @@ from torch import nn
 
 from forge_lm.config import ForgeConfig
 from forge_lm.distributed.mesh import ParallelDims
-from forge_lm.errors import PluginError
+from forge_lm.errors import ForgeError, PluginError
+from forge_lm.plugins._calls import describe
 
 TRANSFORM_ORDER = (
     "tensor_parallel",
@@ -79,19 +80,25 @@ def ordered_transforms(registry: Any, config: ForgeConfig | None = None) -> list
     found = []
     for component in registry.components("model_transforms"):
         options = configured.get(id(component)) or component.options_class()
-        transform = component.build(options)
+        try:  # every installed transform is built on every run: a factory that raises is named, not a traceback
+            transform = component.build_for_run(options)
+        except PluginError as error:
+            hint = f" Or run without the plugin (--block-plugin {component.plugin.name})."
+            raise PluginError(f"{error}{'' if component.plugin.builtin else hint}") from error
         if not isinstance(transform, ModelTransform):
             raise PluginError(
                 f"model transform '{component.name}' of {component.plugin.label} returned "
                 f"{type(transform).__name__}; its factory must return forge_lm.distributed.ModelTransform."
+                f"{_without(component)}"
             )
         if transform.slot not in TRANSFORM_ORDER:
             raise PluginError(
                 f"model transform '{component.name}' of {component.plugin.label} names slot "
-                f"'{transform.slot}'; the slots are {', '.join(TRANSFORM_ORDER)}."
+                f"'{transform.slot}'; the slots are {', '.join(TRANSFORM_ORDER)}.{_without(component)}"
             )
-        found.append((component.name, transform))
-    return sorted(found, key=lambda item: (TRANSFORM_ORDER.index(item[1].slot), item[0]))
+        found.append((component, transform))
+    found.sort(key=lambda item: (TRANSFORM_ORDER.index(item[1].slot), item[0].name))
+    return [(component.name, _Guarded(component, transform)) for component, transform in found]
 
 
 def apply_model_transforms(model: nn.Module, context: TransformContext, registry: Any) -> list[str]:
@@ -102,6 +109,56 @@ def apply_model_transforms(model: nn.Module, context: TransformContext, registry
             transform.apply(model, context)
             applied.append(name)
     return applied
+
+
+def _without(component: Any) -> str:
+    """How to run without a transform's plugin: every installed transform takes part in every run."""
+    plugin = component.plugin
+    if plugin.builtin:
+        return ""
+    return (
+        f" This is a bug in {plugin.distribution} {plugin.version}: report it to its authors, or run without "
+        f"the plugin (--block-plugin {plugin.name})."
+    )
+
+
+@attrs.frozen
+class _Guarded:
+    """A registered transform whose ``enabled`` and ``apply`` are untrusted: every installed
+    transform is consulted on every run, so one that raises (or whose ``enabled`` answers
+    something other than a bool) is a PluginError naming it and its plugin, not a traceback.
+    A ForgeError it raises (which says what to fix, such as a config it cannot work with)
+    passes as it is."""
+
+    component: Any
+    transform: ModelTransform
+
+    @property
+    def slot(self) -> str:
+        return self.transform.slot
+
+    def enabled(self, context: TransformContext) -> bool:
+        answer = self._call("enabled", self.transform.enabled, context)
+        if not isinstance(answer, bool):
+            raise PluginError(
+                f"model transform '{self.component.name}' of {self.component.plugin.label}: enabled() returned "
+                f"{type(answer).__name__}, not a bool.{_without(self.component)}"
+            )
+        return answer
+
+    def apply(self, model: nn.Module, context: TransformContext) -> None:
+        self._call("apply", self.transform.apply, model, context)
+
+    def _call(self, what: str, function: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return function(*args)
+        except ForgeError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"model transform '{self.component.name}' of {self.component.plugin.label} failed in {what}(): "
+                f"{describe(exc)}.{_without(self.component)}"
+            ) from exc
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -37,12 +37,13 @@ class PluginHookFailed(ForgeError):
 
     exit_code = PLUGIN_HOOK_EXIT_CODE
 
-    def __init__(self, plugin: PluginInfo, hook: str, problem: str) -> None:
+    def __init__(self, plugin: PluginInfo, hook: str, problem: str, without: str | None = None) -> None:
         super().__init__(f"{plugin.label} {problem}")
         self.plugin = plugin
-        self.hook = hook
+        self.hook = hook  # the hook's name, or what else of the plugin's failed ("evaluator 'x'", "loss 'x'")
         self.problem = problem  # "raised in forge_lm_step_end: ValueError: boom"
         self.outcome: str | None = None
+        self.without = without or f"--block-plugin {plugin.name}"  # how to run without what failed
 
     @property
     def headline(self) -> str:
@@ -50,7 +51,7 @@ class PluginHookFailed(ForgeError):
         return f"{self.plugin.label} {self.problem}"
 
     def __str__(self) -> str:
-        block = f"--block-plugin {self.plugin.name}"
+        block = self.without
         if self.outcome is None:
             return (
                 f"{self.headline}. This is a bug in the plugin: report it to its authors, or run without it ({block})."

@@ -12,6 +12,7 @@ import attrs
 
 from forge_lm.errors import ForgeError, PluginError
 from forge_lm.plugins._categories import singular
+from forge_lm.plugins._contracts import contract_problem
 
 
 class PluginStatus(enum.StrEnum):
@@ -104,9 +105,12 @@ class Component:
     def build_for_run(self, options: Any, *args: Any, **kwargs: Any) -> Any:
         """:meth:`build`, where a factory failing with anything but a ForgeError (which says what
         to fix) is reported as a PluginError naming the component and its plugin, not as a
-        traceback: what a run (``forge train``, ``forge eval``, ...) shows its user."""
+        traceback: what a run (``forge train``, ``forge eval``, ...) shows its user. What the
+        factory returns is checked against its category's basic contract
+        (:mod:`forge_lm.plugins._contracts`): a wrong object is a PluginError too, raised here
+        rather than wherever the object is first used."""
         try:
-            return self.build(options, *args, **kwargs)
+            built = self.build(options, *args, **kwargs)
         except ForgeError:
             raise
         except Exception as exc:
@@ -122,3 +126,17 @@ class Component:
                 f"{singular(self.category)} '{self.name}' from {self.plugin.label} could not be built: "
                 f"{describe(exc)}. {advice}."
             ) from exc
+        problem = contract_problem(self.category, built)
+        if problem is not None:
+            noun = singular(self.category)
+            instead = (
+                "leave it out of the run's config"
+                if self.category in ("evaluators", "metrics_backends")
+                else f"choose another {noun}"
+            )
+            raise PluginError(
+                f"{noun} '{self.name}' from {self.plugin.label} cannot be used: its factory returned {problem}. "
+                f"This is a bug in {self.plugin.distribution} {self.plugin.version}: report it to its authors, or "
+                f"{instead}."
+            )
+        return built

@@ -14,7 +14,7 @@ from forge_lm.components import DataContext, EvaluatorContext, MetricsContext
 from forge_lm.config import ComponentConfig, ForgeConfig
 from forge_lm.metrics.guard import GuardedBackend
 from forge_lm.plugins import Registry
-from forge_lm.plugins._calls import checked_metrics, describe
+from forge_lm.plugins._calls import PluginHookFailed, checked_metrics, describe
 
 
 def build_dataset(
@@ -46,14 +46,32 @@ def build_dataset(
 class CheckedEvaluator:
     """An evaluator of ``[eval] evaluators`` whose metrics are checked: what a plugin returns is
     untrusted, so only string keys with numbers stay, none may replace a metric logged before
-    it, and the rest is left out with one warning (on rank 0, where metrics are logged)."""
+    it, and the rest is left out with one warning (on rank 0, where metrics are logged).
 
-    def __init__(self, label: str, evaluator: Any, warn_on_this_rank: bool) -> None:
+    An ``evaluate`` that raises (``SystemExit`` included; ``KeyboardInterrupt`` passes) is a
+    :class:`PluginHookFailed` naming the evaluator and its plugin: the training loop stops as
+    for a failing ``eval_end`` hook, with the evaluated step checkpointed (exit 4)."""
+
+    def __init__(self, label: str, evaluator: Any, warn_on_this_rank: bool, component: Any = None) -> None:
         self.label, self.evaluator = label, evaluator
         self._warn = warn_on_this_rank
+        self._component = component  # its registry entry (name and plugin), for a failure's message
 
     def evaluate(self, model: Any, step: int, earlier: Mapping[str, float]) -> dict[str, float]:
-        returned = self.evaluator.evaluate(model, step)
+        try:
+            returned = self.evaluator.evaluate(model, step)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # any failure of a plugin's evaluator is reported naming it
+            if self._component is None:
+                raise
+            name = self._component.name
+            raise PluginHookFailed(
+                self._component.plugin,
+                f"evaluator '{name}'",
+                f"raised in evaluate() of its evaluator '{name}' at step {step}: {describe(exc)}",
+                without=f"remove '{name}' from [eval] evaluators",
+            ) from exc
         try:
             good, problems = checked_metrics(returned, {*earlier, "step"})
         except Exception as exc:  # noqa: BLE001 - a returned object may fail in any way when read
@@ -74,7 +92,7 @@ def build_evaluators(config: ForgeConfig, context: EvaluatorContext) -> list[Che
     for chosen in config.eval.evaluators:
         plugin = chosen.component.plugin
         label = f"evaluator '{chosen.name}' ({plugin.distribution} {plugin.version})"
-        built.append(CheckedEvaluator(label, chosen.build(context), context.rank == 0))
+        built.append(CheckedEvaluator(label, chosen.build(context), context.rank == 0, chosen.component))
     return built
 
 

@@ -75,7 +75,7 @@ from forge_lm.train.evaluate import EvalSets, build_eval_sets
 from forge_lm.train.profiling import StepProfiler
 from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree, check_startup
 from forge_lm.train.run_dir import RunDirectory
-from forge_lm.train.run_state import restore_run, save_run
+from forge_lm.train.run_state import note_built, restore_run, save_run
 from forge_lm.train.saving import SavePolicy
 from forge_lm.train.watchdog import HangWatchdog
 
@@ -318,6 +318,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
     )
     checkpoints = CheckpointManager(run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save)
     context = TrainContext(config, run_dir, model, optimizer, parts.scheduler, tokens_per_step=parts.tokens_per_step)
+    note_built(context, parts.train_batches)  # the state shapes every save must keep (a resume demands them)
     saves = SavePolicy(config.checkpoint.max_failed_saves)  # what a failed checkpoint write does
     status, loss, bad_steps = "failed", float("nan"), 0
     resumed_at = 0  # the step this start resumed from; a finished run resumed trains no step
@@ -453,7 +454,7 @@ def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> N
         loss_of = (
             parts.pipeline.eval_loss
             if parts.pipeline is not None
-            else _loss_of(parts.model, parts.loss_fn, parts.context_parallel)
+            else _loss_of(parts.model, parts.loss_fn, parts.context_parallel, context.config)
         )
         results = parts.evaluator.run(loss_of, lambda value: mean_over_data_parallel(value, parts.mesh, parts.dims))
         with torch.no_grad():
@@ -543,7 +544,7 @@ def _train_step(
             with _gradient_sync(model, enabled=sync), collect_aux() as reports, sharded_loss:
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                     logits, labels = _forward(model, batch, context_parallel)
-                    loss = parts.loss_fn(logits, labels)
+                    loss = _checked_loss(parts.loss_fn(logits, labels), config, training=True)
                 aux_total = reports.total()
                 full = loss if aux_total is None else loss + aux_total
                 (full / accum).backward()
@@ -565,12 +566,47 @@ def _forward(
     return model(batch["input_ids"], batch.get("document_ids"), positions=batch["positions"]), batch["labels"]
 
 
-def _loss_of(model: torch.nn.Module, loss_fn: Any, context_parallel: ContextParallel | None = None) -> Any:
+def _loss_of(
+    model: torch.nn.Module,
+    loss_fn: Any,
+    context_parallel: ContextParallel | None = None,
+    config: ForgeConfig | None = None,
+) -> Any:
     def loss_of(batch: dict[str, torch.Tensor]) -> float:
         logits, labels = _forward(model, batch, context_parallel)
-        return loss_fn(logits, labels).item()
+        value = loss_fn(logits, labels)
+        return (value if config is None else _checked_loss(value, config, training=False)).item()
 
     return loss_of
+
+
+def _checked_loss(value: Any, config: ForgeConfig, training: bool) -> torch.Tensor:
+    """The loss function's value, if it is what the core needs: a 0-d floating tensor, attached
+    to the graph when training. Anything else is a :class:`PluginHookFailed` naming the loss
+    and its plugin (the loop stops with the last step saved, exit 4), not a traceback further on.
+    Only the tensor's metadata is read: nothing waits for the device."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.ndim == 0
+        and value.is_floating_point()
+        and (value.requires_grad or not training)
+    ):
+        return value
+    if not isinstance(value, torch.Tensor):
+        what = "None" if value is None else f"a {type(value).__name__}"
+    elif value.ndim != 0 or not value.is_floating_point():
+        what = f"a tensor of shape {list(value.shape)} and dtype {str(value.dtype).removeprefix('torch.')}"
+    else:
+        what = "a tensor detached from the logits (it does not require grad)"
+    chosen = config.loss
+    plugin = chosen.component.plugin if chosen.component is not None else None
+    problem = (
+        f"returned {what} from its loss '{chosen.name}'; the core needs a 0-d floating tensor "
+        "(the mean loss over the non-ignored positions)"
+    )
+    if plugin is None:  # a config built without the registry: no plugin to name
+        raise TypeError(f"loss '{chosen.name}' {problem}")
+    raise PluginHookFailed(plugin, f"loss '{chosen.name}'", problem, without="set another [loss] name")
 
 
 def _gradient_sync(model: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:

@@ -8,12 +8,22 @@ The optimizer's settings come from this run's config (the manager takes them fro
 optimizer); a saved setting that differs from the live one, while the optimizer settings the
 checkpoint records are this run's, was edited: that checkpoint is passed over too.
 Plugin states go to their plugins' ``load_state`` hooks, whose failure is the plugin's (exit 4).
+
+Because a resume demands that shape, every save checks it first (:func:`save_run`): the
+scheduler's and the dataset's states must be plain JSON data and have the shape their
+``state_dict()`` had when the component was built (the reference :func:`note_built` captures;
+else the first :func:`restore_run` or save captures it). A state that does not is not written:
+it would make every checkpoint of the run unusable. The run stops at that save naming the
+component and its plugin (exit 4, the previous checkpoint intact), or, for a core component,
+as a bug in Forge. Plugin states follow no shape rule: their ``load_state`` checks them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +33,57 @@ from forge_lm.checkpoint._safe import DamagedCheckpointError
 from forge_lm.checkpoint._state import TRAINER_STATE, check_like
 from forge_lm.config import to_data
 from forge_lm.data.loader import BatchLoader
-from forge_lm.plugins import PluginManager
+from forge_lm.errors import ForgeError
+from forge_lm.plugins import PluginHookFailed, PluginManager
+
+SHAPE_RULE = "a state_dict must keep the shape it had when the component was built: same keys, same kinds of values"
+PLAIN_RULE = (
+    "a state_dict must be plain JSON data: dicts with string keys, lists, strings, integers, finite floats, "
+    "booleans and None"
+)
+# The hook a failed check is reported under: the failure is in saving state, so the loop's stop
+# (train.ending.stop_for_plugin) keeps the checkpoint that exists instead of trying this save again.
+_SAVE_HOOK = "forge_lm_save_state"
+_MAX_DEPTH = 64  # as check_like allows
+
+# The states the components had when they were built, per data loader of a run (its key: the
+# loader lives as long as the run's components do): {"scheduler": (scheduler, state), "data": state}.
+_BUILT: weakref.WeakKeyDictionary[BatchLoader, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+class ComponentStateBug(ForgeError):
+    """A core component's ``state_dict()`` broke the state rules: a bug in Forge, not the user's."""
+
+
+def note_built(context: Any, train_batches: BatchLoader) -> None:
+    """Remember the shapes of the scheduler's and the data loader's states as they are now, right
+    after they were built (before any step, before a resume loads into them): the shapes a resume
+    demands, which every save is checked against. Called again for the same run, it changes nothing."""
+    references = _BUILT.setdefault(train_batches, {})
+    if references.get("scheduler", (None,))[0] is not context.scheduler:
+        references["scheduler"] = (context.scheduler, _snapshot(context.scheduler.state_dict()))
+    if "data" not in references:
+        references["data"] = _snapshot(train_batches.state_dict())
 
 
 def save_run(checkpoints: CheckpointManager, context: Any, train_batches: BatchLoader, manager: PluginManager) -> None:
-    """Checkpoint the run at ``context.step``: the training point, for an exact resume."""
+    """Checkpoint the run at ``context.step``: the training point, for an exact resume. The
+    scheduler's and the data position's states are checked first (the module docstring): one
+    that a resume would refuse stops the run here, with nothing written."""
+    scheduler, data = context.scheduler.state_dict(), train_batches.state_dict()
+    references = _BUILT.setdefault(train_batches, {})  # a run whose loop did not note them: this save is the reference
+    if references.get("scheduler", (None,))[0] is not context.scheduler:
+        references["scheduler"] = (context.scheduler, _snapshot(scheduler))
+    references.setdefault("data", _snapshot(data))
+    _check_state(context, checkpoints, "scheduler", scheduler, references["scheduler"][1], equal_lengths=True)
+    _check_data_position(context, checkpoints, data, references["data"])
     state = {
         "config": to_data(context.config),  # what produced it, even if the run directory is lost
         "manifest": manager.manifest(),
         "tokens_seen": context.tokens_seen,
         "tokens_per_step": context.tokens_per_step,
-        "scheduler": context.scheduler.state_dict(),
-        "data": train_batches.state_dict(),
+        "scheduler": scheduler,
+        "data": data,
         "plugins": manager.save_states(context),
     }
     checkpoints.save(context.step, context.model, context.optimizer, state)
@@ -44,6 +93,7 @@ def restore_run(
     checkpoints: CheckpointManager, context: Any, train_batches: BatchLoader, manager: PluginManager
 ) -> bool:
     """Load the newest usable checkpoint into the run; False when there is none."""
+    note_built(context, train_batches)  # on a resume the components are as built: nothing loaded yet
 
     def restore(state: dict[str, Any]) -> None:
         missing = {"tokens_seen", "plugins"} - set(state)
@@ -51,8 +101,12 @@ def restore_run(
             raise ValueError(f"its trainer state lacks {', '.join(sorted(missing))}")
         _check_optimizer_settings(state, context.config)
         if "scheduler" in state:  # absent in an imported model's step 0: schedule and data start fresh
-            check_like(state["scheduler"], context.scheduler.state_dict(), "the scheduler state", equal_lengths=True)
-            check_like(state.get("data"), train_batches.state_dict(), "the data position")
+            with _naming(context, "scheduler"):
+                check_like(
+                    state["scheduler"], context.scheduler.state_dict(), "the scheduler state", equal_lengths=True
+                )
+            with _naming(context, "data"):
+                check_like(state.get("data"), train_batches.state_dict(), "the data position")
             context.scheduler.load_state_dict(state["scheduler"])
             train_batches.load_state_dict(state["data"])
 
@@ -78,6 +132,113 @@ def restore_run(
     events.set_step(context.step)
     events.record("resume", from_step=context.step, checkpoint=Path(state["path"]).name)
     return True
+
+
+class _naming:
+    """A check_like failure inside it says which component's state it was (and from which plugin)."""
+
+    def __init__(self, context: Any, category: str) -> None:
+        self.context, self.category = context, category
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> bool:
+        if isinstance(error, DamagedCheckpointError):
+            kind_name, name, plugin = _component(self.context, self.category)
+            source = f" from {plugin.label}" if plugin is not None else ""
+            raise DamagedCheckpointError(f"{error} (the state of the {kind_name} '{name}'{source})") from None
+        return False
+
+
+def _component(context: Any, category: str) -> tuple[str, str, Any]:
+    """``(kind, name, plugin)`` of the run's scheduler or dataset (``category``: "scheduler" or
+    "data"); ``plugin`` is None when the config does not say (not loaded through load_config)."""
+    chosen = getattr(context.config, category, None)
+    kind = "scheduler" if category == "scheduler" else "dataset"
+    component = getattr(chosen, "component", None)
+    return kind, str(getattr(chosen, "name", "?")), getattr(component, "plugin", None)
+
+
+def _check_data_position(context: Any, checkpoints: CheckpointManager, data: Any, reference: Any) -> None:
+    """The data loader's state: the dataset's part is the dataset's (its plugin's), the rest the core's."""
+    if isinstance(data, dict) and isinstance(reference, dict) and "dataset" in data and "dataset" in reference:
+        _check_state(context, checkpoints, "data", data["dataset"], reference["dataset"])
+        rest = {key: value for key, value in data.items() if key != "dataset"}
+        reference = {key: value for key, value in reference.items() if key != "dataset"}
+        _check_state(context, checkpoints, None, rest, reference)
+    else:
+        _check_state(context, checkpoints, None, data, reference)
+
+
+def _check_state(
+    context: Any, checkpoints: CheckpointManager, category: str | None, state: Any, reference: Any, **options: Any
+) -> None:
+    """``state`` is plain JSON data with the shape of ``reference`` (check_like, with the options
+    restore_run uses); else the run stops, blaming the component of ``category`` (None: the core's
+    data loader)."""
+    problem, rule = _plain_problem(state, "state_dict()"), PLAIN_RULE
+    if problem is None:
+        rule = SHAPE_RULE
+        try:
+            check_like(state, reference, "state_dict()", **options)
+        except DamagedCheckpointError as exc:
+            problem = f"{str(exc).removeprefix(f'{TRAINER_STATE}: ')} (as it was when the component was built)"
+    if problem is None:
+        return
+    kind, name, plugin = ("data loader", "BatchLoader", None) if category is None else _component(context, category)
+    core = plugin is None or plugin.builtin
+    what = f"{kind} '{name}', whose state at step {context.step} a resume could not load: {problem}. Rule: {rule}"
+    if not core:
+        raise PluginHookFailed(plugin, _SAVE_HOOK, f"provides the {what}")
+    try:
+        newest = checkpoints.latest()
+    except OSError:
+        newest = None
+    intact = f"the newest checkpoint ({newest.name}) is intact" if newest else "no checkpoint was written yet"
+    source = f"{plugin.distribution} {plugin.version}" if plugin is not None else "the core"
+    raise ComponentStateBug(
+        f"the core's {what}. This is a bug in Forge ({source}), not in the run: please report it. Training stopped "
+        f"at step {context.step} without saving it; {intact}"
+    )
+
+
+def _plain_problem(value: Any, where: str, depth: int = 0) -> str | None:
+    """What in ``value`` (a component's state) is not plain JSON data, or None; its top is a dict."""
+    if depth == 0 and not isinstance(value, dict):
+        return f"{where} is a {type(value).__name__}, not a dict"
+    if depth >= _MAX_DEPTH:
+        return f"{where} is nested more than {_MAX_DEPTH} levels deep"
+    if value is None or isinstance(value, bool | int | str):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{where} is {value}, not a finite number"
+    if isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            problem = _plain_problem(item, f"{where}[{index}]", depth + 1)
+            if problem:
+                return problem
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{where} has the key {key!r}, not a string"
+            problem = _plain_problem(item, f"{where}.{key}", depth + 1)
+            if problem:
+                return problem
+        return None
+    return f"{where} is a {type(value).__name__}"
+
+
+def _snapshot(state: Any, depth: int = 0) -> Any:
+    """A copy of ``state``'s containers (the reference must not change when the live state does)."""
+    if depth >= _MAX_DEPTH:
+        return state
+    if isinstance(state, dict):
+        return {key: _snapshot(value, depth + 1) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return [_snapshot(value, depth + 1) for value in state]
+    return state
 
 
 def _check_optimizer_settings(state: dict[str, Any], config: Any) -> None:
