@@ -59,6 +59,30 @@ class EvaluatorContext:
     world_size: int = 1
 
 
+@attrs.frozen
+class ModelContext:
+    """What a model family's factory needs besides its options."""
+
+    vocab_size: int  # [model] vocab_size, or the tokenizer's
+    registry: Any  # the component registry, to build the components its options select (ffn, attention)
+
+
+@attrs.frozen
+class AttentionSpec:
+    """The sizes an attention factory builds to, taken from the model family's options."""
+
+    dim: int  # the residual stream's width: the layer maps [batch, seq, dim] to the same shape
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_layers: int
+    max_seq_len: int
+    rope_theta: float
+    norm_eps: float = 1e-5
+    qk_norm: bool = False
+    backend: str = "auto"  # [model] attention_backend: how the model's masks are applied
+
+
 @attrs.define
 class WarmupOptions:
     """Base class for scheduler options: linear warmup over the first ``warmup_steps`` steps."""
@@ -232,6 +256,108 @@ class OwnFSDPUnit(Protocol):
     fsdp_mesh_dims: tuple[str, ...]
 
 
+# -- what a model family declares ---------------------------------------------------------
+# A family's factory returns an nn.Module. The training path, generation and the layouts of
+# [distributed] ask it for these capabilities with isinstance; a layout that needs one the
+# model lacks is refused when the config is validated (forge config validate), naming the
+# family and the capability. Forge's own Transformer (forge_lm.model.Transformer) has all of
+# them, so a family that subclasses it keeps them.
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """What every model family's module is: ``model(input_ids [B, T], document_ids=None)`` gives
+    logits ``[B, T, vocab]`` (``document_ids`` ``[B, T]``: packed documents, a token attends only
+    within its own), and ``init_weights(init)`` sets every parameter and buffer through the
+    :class:`Initializer` (the model is built on the meta device under ``torchrun``)."""
+
+    def forward(self, input_ids: Any, document_ids: Any = None) -> Any: ...
+
+    def init_weights(self, init: Initializer) -> None: ...
+
+
+@runtime_checkable
+class ShardedByBlocks(Protocol):
+    """A model made of repeated blocks: FSDP2 shards each block as a unit, activation
+    checkpointing and ``train.compile`` work block by block. Without it FSDP2 shards the model
+    as one unit and the per-block transforms are refused."""
+
+    def blocks(self) -> list[Any]:
+        """The blocks, in order (a pipeline stage: its own)."""
+
+
+@runtime_checkable
+class TensorParallelModel(Protocol):
+    """A model ``[distributed] tp > 1`` can split. The plan covers the modules outside the blocks;
+    each block's attention and feed-forward must be :class:`TensorParallelizable` too."""
+
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        """``{name of a module outside the blocks: ParallelStyle}`` for the modules this model
+        (or pipeline stage) holds."""
+
+
+@runtime_checkable
+class PipelineSplittable(Protocol):
+    """A model ``[distributed] pp > 1`` can cut into stages of consecutive blocks."""
+
+    def keep_stage(self, stage: int, stages: int) -> None:
+        """Drop, in place, every part that stage ``stage`` of ``stages`` does not hold."""
+
+
+@runtime_checkable
+class ContextParallelModel(Protocol):
+    """A model ``[distributed] cp > 1`` can run: ``forward`` takes ``positions`` (a rank's slice
+    of each sequence) and every attention layer gathers the group's keys and values when its
+    ``context_parallel`` is set."""
+
+    context_parallel: Any
+
+    def forward(self, input_ids: Any, document_ids: Any = None, kv_cache: Any = None, positions: Any = None) -> Any: ...
+
+
+@runtime_checkable
+class DecodesWithCache(Protocol):
+    """A model that generates token by token (``forge generate``, evaluators): ``forward`` takes
+    ``kv_cache=`` and continues the tokens cached in it."""
+
+    def new_kv_cache(self, max_len: int | None = None) -> Any:
+        """An empty cache for up to ``max_len`` tokens (default the model's longest sequence)."""
+
+
+@runtime_checkable
+class CountsFlops(Protocol):
+    """A model that says how much compute a token takes (MFU). Without it Forge counts
+    ``6 * active parameters`` per token, leaving attention's scores out."""
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward and backward FLOPs of one token in a sequence of ``seq_len`` (its matmuls)."""
+
+
+@runtime_checkable
+class HasParameterRoles(Protocol):
+    """A model that names its parameters' roles itself (see :func:`parameter_roles`), for
+    parameters the module-based rule would misjudge."""
+
+    def parameter_roles(self) -> dict[str, str]:
+        """Each parameter name (as ``named_parameters()`` gives it) mapped to one of :data:`PARAMETER_ROLES`."""
+
+
+@runtime_checkable
+class RotaryAttention(Protocol):
+    """An attention layer whose RoPE tables have ``rope_dim`` columns rather than the head size
+    (multi-head latent attention rotates only a part of each head)."""
+
+    rope_dim: int
+
+
+@runtime_checkable
+class WindowedAttention(Protocol):
+    """An attention layer whose queries see only the ``window`` most recent keys (themselves
+    included); the model builds its masks with that limit."""
+
+    window: int
+
+
 PARAMETER_ROLES = ("embedding", "output", "norm", "bias", "matrix")
 """The roles :func:`parameter_roles` gives, in the order it decides them."""
 
@@ -258,6 +384,8 @@ def parameter_roles(model: Any) -> dict[str, str]:
     """
     from torch import nn
 
+    if isinstance(model, HasParameterRoles):
+        return dict(model.parameter_roles())
     head = getattr(model, "output", None)
     if not isinstance(head, nn.Module):
         find_head = getattr(model, "get_output_embeddings", None)

@@ -163,6 +163,53 @@ def forge_lm_register_tokenizers(register: Any) -> None:
 
 
 @hookspec
+def forge_lm_register_models(register: Any) -> None:
+    """Register model families: whole networks. ``[model] name`` selects one (default
+    ``"llama"``, the core's own) and the rest of ``[model]`` is its options class, which must
+    have ``vocab_size`` (int or None: the tokenizer's), ``max_seq_len`` and ``init_std`` fields.
+
+    Factory: ``factory(options, context: forge_lm.components.ModelContext) -> torch.nn.Module``,
+    a :class:`forge_lm.components.LanguageModel`: ``model(input_ids, document_ids=None)`` gives
+    logits ``[batch, seq, vocab]``, and ``init_weights(init)`` sets every parameter and buffer
+    through the :class:`~forge_lm.components.Initializer`. The factory only constructs: it runs
+    on the meta device for a sharded run and the memory estimate, and the core initialises
+    afterwards. Components the options select (``[model.ffn]``, ``[model.attention]``) are built
+    with ``options.ffn.build(...)``.
+
+    What the rest of Forge needs of a model is declared by the module, each a runtime-checkable
+    protocol in :mod:`forge_lm.components`: :class:`~forge_lm.components.ShardedByBlocks`
+    (FSDP2 units, activation checkpointing, compile), :class:`~forge_lm.components.TensorParallelModel`
+    (``tp``), :class:`~forge_lm.components.PipelineSplittable` (``pp``),
+    :class:`~forge_lm.components.ContextParallelModel` (``cp``),
+    :class:`~forge_lm.components.DecodesWithCache` (``forge generate``),
+    :class:`~forge_lm.components.CountsFlops` (MFU), :class:`~forge_lm.components.HasParameterRoles`
+    (Muon, weight decay). A layout needing one the model lacks is refused by ``forge config
+    validate``, naming the family and the capability. Subclassing
+    :class:`forge_lm.model.Transformer` gives all of them. Hugging Face conversion goes through
+    :func:`forge_lm_hf_export` and :func:`forge_lm_hf_import`.
+    """
+
+
+@hookspec
+def forge_lm_register_attentions(register: Any) -> None:
+    """Register attention layers for Forge's transformer blocks; ``[model.attention] name``
+    selects one (default ``"gqa"``).
+
+    Factory: ``factory(options, spec: forge_lm.components.AttentionSpec, layer_index) ->
+    torch.nn.Module`` whose ``forward(x, cos, sin, mask, is_causal, kv_cache)`` maps ``x``
+    ``[batch, seq, dim]`` to the same shape: ``cos``/``sin`` ``[seq, rope_dim]`` are the RoPE
+    tables of the tokens' positions (:func:`forge_lm.model.rope.apply_rope`), ``mask`` and
+    ``is_causal`` come from :func:`forge_lm.model.attention.attention_mask` (None with
+    ``is_causal``, a boolean SDPA mask, a float bias for eager attention, or a FlexAttention
+    ``BlockMask``), ``kv_cache`` is None or a :class:`forge_lm.model.KVCache` (the layer stores
+    under its ``layer_index``). Capabilities: ``init_weights(init)``, ``tensor_parallel_plan()``
+    (as for feed-forward layers), ``rope_dim`` (:class:`~forge_lm.components.RotaryAttention`),
+    ``window`` (:class:`~forge_lm.components.WindowedAttention`), and a ``context_parallel``
+    attribute (None) for layers that gather keys and values under ``[distributed] cp > 1``.
+    """
+
+
+@hookspec
 def forge_lm_register_feed_forwards(register: Any) -> None:
     """Register feed-forward layers for the transformer blocks.
 

@@ -88,9 +88,9 @@ def run(args, overrides, plugins) -> int:
     context = EvaluatorContext(
         run_dir=run_dir,
         tokenizer=tokenizer,
-        vocab_size=config.model.vocab_size or tokenizer.vocab_size,
+        vocab_size=config.model.options.vocab_size or tokenizer.vocab_size,
         seq_len=config.train.seq_len,
-        max_seq_len=config.model.max_seq_len,
+        max_seq_len=config.model.options.max_seq_len,
         batch_size=config.train.batch_size,
         device=torch.device("cpu"),
         dtype=None,

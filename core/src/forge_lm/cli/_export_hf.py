@@ -89,12 +89,12 @@ def run(args, overrides, plugins) -> int:
             f"'{out}' already holds an export ({', '.join(previous)}); export-hf does not overwrite it. Choose another "
             "directory, or pass --force to replace that export."
         )
-    out = export_with_plugins(manager, model, config.model, out, eos_id=tokenizer.eos_id)
+    out = export_with_plugins(manager, model, config.model.options, out, eos_id=tokenizer.eos_id)
     for name in sorted(set(previous) - set(writes)):
         os.unlink(out / name)  # the previous export's index, shards and tokenizer files: not this export's
     # The tokenizer goes through the command, not the model's exporter, so a plugin's model
     # (Mixtral through forge-moe) gets it too.
-    written = save_hf_tokenizer(tokenizer, out, config.model.max_seq_len)
+    written = save_hf_tokenizer(tokenizer, out, config.model.options.max_seq_len)
     architecture = json.loads((out / "config.json").read_text()).get("architectures", ["model"])[0]
     if written:
         print(f"wrote a Hugging Face {architecture} and its tokenizer to {out}")

@@ -89,7 +89,7 @@ def _check_fits(config, registry, imported) -> None:
     from forge_lm.errors import ConfigError
     from forge_lm.model.memory import loading_shortfall
 
-    shortfall = loading_shortfall(config, config.model.vocab_size, registry)
+    shortfall = loading_shortfall(config, config.model.options.vocab_size, registry)
     if shortfall is not None:
         raise ConfigError(
             f"'{imported.config_path}' describes a model that {shortfall}, as {imported.plugin.label} converts it. "
@@ -107,7 +107,7 @@ def _build(config, registry, imported):
     from forge_lm.model import build_model
 
     try:
-        return build_model(config.model, config.model.vocab_size, registry)
+        return build_model(config.model, config.model.options.vocab_size, registry)
     except (MemoryError, RuntimeError) as exc:
         if not isinstance(exc, MemoryError) and not re.search(r"allocat|overflow|out of memory", str(exc), re.I):
             raise

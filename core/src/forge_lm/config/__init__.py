@@ -16,6 +16,7 @@ from forge_lm.config._schema import (
     DistributedSection,
     EvalSection,
     ForgeConfig,
+    LlamaOptions,
     MetricsSection,
     ModelSection,
     ProfilingSection,
@@ -24,6 +25,7 @@ from forge_lm.config._schema import (
     component,
     component_array,
     components,
+    model_options,
 )
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "DistributedSection",
     "EvalSection",
     "ForgeConfig",
+    "LlamaOptions",
     "MetricsSection",
     "ModelSection",
     "ProfilingSection",
@@ -44,6 +47,7 @@ __all__ = [
     "converter",
     "load_config",
     "merge",
+    "model_options",
     "parse_overrides",
     "read_toml",
     "structure_config",

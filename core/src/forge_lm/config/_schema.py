@@ -84,7 +84,11 @@ def _doc(text: str) -> dict[str, str]:
 
 
 @attrs.frozen
-class ModelSection:
+class LlamaOptions:
+    """Options of the built-in ``llama`` model family: the ``[model]`` section when ``name`` is
+    ``"llama"`` (the default). Another family's options class must have ``vocab_size``,
+    ``max_seq_len`` and ``init_std`` too."""
+
     dim: int = attrs.field(default=256, validator=positive, metadata=_doc("Hidden size."))
     n_layers: int = attrs.field(default=4, validator=positive, metadata=_doc("Transformer blocks."))
     n_heads: int = attrs.field(default=4, validator=positive, metadata=_doc("Attention (query) heads."))
@@ -120,6 +124,9 @@ class ModelSection:
         default=0.02, validator=positive, metadata=_doc("Init std; residual projections get init_std/sqrt(2*n_layers).")
     )
     ffn: ComponentConfig = component("feed_forwards", "swiglu", "Feed-forward layer; its factory sees the layer index.")
+    attention: ComponentConfig = component(
+        "attentions", "gqa", "Attention layer (grouped-query 'gqa', 'sliding_window', or a plugin's)."
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -138,6 +145,9 @@ class ModelSection:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+
+ModelSection = LlamaOptions  # the name before model families; kept for code that builds one directly
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -453,7 +463,9 @@ class ProfilingSection:
 class ForgeConfig:
     """A whole run: every section, fully resolved."""
 
-    model: ModelSection = attrs.field(factory=ModelSection)
+    model: ComponentConfig = component(
+        "models", "llama", "Model family ('llama', or a plugin's); the section's other keys are its options."
+    )
     train: TrainSection = attrs.field(factory=TrainSection)
     tokenizer: ComponentConfig = component("tokenizers", "bytes", "Text to token ids.")
     data: ComponentConfig = component("datasets", "python_stdlib", "Training (and held-out evaluation) data.")
@@ -474,12 +486,26 @@ class ForgeConfig:
 def check_cross_section(config: ForgeConfig) -> list[tuple[str, str]]:
     """Rules that involve several sections: a list of (``[section] key``, message)."""
     problems = []
-    if config.train.seq_len > config.model.max_seq_len:
+    max_seq_len = model_options(config).max_seq_len
+    if config.train.seq_len > max_seq_len:
         problems.append(
             (
                 "[train] seq_len",
-                f"{config.train.seq_len} exceeds [model] max_seq_len ({config.model.max_seq_len}); "
+                f"{config.train.seq_len} exceeds [model] max_seq_len ({max_seq_len}); "
                 "lower seq_len or raise max_seq_len",
             )
         )
     return problems
+
+
+def model_options(config: ForgeConfig) -> Any:
+    """The ``[model]`` section's options: the selected family's options object (its defaults
+    when the section was built in code without them)."""
+    chosen = config.model
+    if chosen.options is not None:
+        return chosen.options
+    if chosen.component is not None:
+        return chosen.component.options_class()
+    if chosen.name == "llama":
+        return LlamaOptions()
+    raise TypeError(f"model family '{chosen.name}' was not resolved; load configs with forge_lm.config.load_config")

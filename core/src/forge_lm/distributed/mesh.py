@@ -22,7 +22,7 @@ from __future__ import annotations
 import attrs
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from forge_lm.config import DistributedSection, ForgeConfig
+from forge_lm.config import DistributedSection, ForgeConfig, model_options
 from forge_lm.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
@@ -109,31 +109,32 @@ class ParallelDims:
 
     def check(self, config: ForgeConfig) -> None:
         """The rules that tie the degrees to the model and the batch."""
-        model, train = config.model, config.train
+        model, train = model_options(config), config.train
         problems = []
+        # The llama family's sizes; another family's options are checked for the fields they share.
+        n_heads, kv_heads = getattr(model, "n_heads", None), getattr(model, "kv_heads", None)
         if self.dp_shard % self.ep:
             problems.append(
                 f"ep = {self.ep} must divide dp_shard = {self.dp_shard}: expert-parallel ranks are "
                 "data-parallel ranks that also split the experts"
             )
         if self.tp > 1:
-            if model.n_heads % self.tp:
-                problems.append(f"tp = {self.tp} must divide [model] n_heads = {model.n_heads}")
-            if model.kv_heads % self.tp:
-                problems.append(f"tp = {self.tp} must divide the key/value heads ({model.kv_heads})")
+            if isinstance(n_heads, int) and n_heads % self.tp:
+                problems.append(f"tp = {self.tp} must divide [model] n_heads = {n_heads}")
+            if isinstance(kv_heads, int) and kv_heads % self.tp:
+                problems.append(f"tp = {self.tp} must divide the key/value heads ({kv_heads})")
             if train.seq_len % self.tp:
                 problems.append(
                     f"tp = {self.tp} must divide [train] seq_len = {train.seq_len} (sequence parallelism "
                     "splits each sequence across the tensor-parallel ranks)"
                 )
-            if model.qk_norm:
+            if getattr(model, "qk_norm", False):
                 problems.append("[model] qk_norm is not supported with tensor parallelism yet; set tp = 1")
         if self.pp > 1:
-            if model.n_layers < self.pp:
-                problems.append(
-                    f"pp = {self.pp} stages need at least {self.pp} layers; [model] n_layers = {model.n_layers}"
-                )
-            if model.tie_embeddings:
+            n_layers = getattr(model, "n_layers", None)
+            if isinstance(n_layers, int) and n_layers < self.pp:
+                problems.append(f"pp = {self.pp} stages need at least {self.pp} layers; [model] n_layers = {n_layers}")
+            if getattr(model, "tie_embeddings", False):
                 problems.append(
                     "pipeline stages cannot share one embedding matrix between the first stage and the "
                     "last; set [model] tie_embeddings = false for pipeline parallelism"

@@ -64,6 +64,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from forge_lm.components import PipelineSplittable, ShardedByBlocks
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.losses.aux import collect_aux
 
@@ -84,12 +85,13 @@ def check_pipeline(model: nn.Module, dims: Any, microbatches: int) -> None:
     """The rules a model and the degrees must follow to be pipelined, or a ConfigError naming
     the rule broken and what to change."""
     problems = []
-    for part in ("tok_embeddings", "layers", "norm", "output"):
-        if not hasattr(model, part):
-            raise ForgeError(
-                f"pipeline parallelism splits a forge_lm Transformer into stages; {type(model).__name__} has no "
-                f"'{part}'. Build the model with forge_lm.model.build_model, or set [distributed] pp = 1."
-            )
+    if not isinstance(model, PipelineSplittable) or not isinstance(model, ShardedByBlocks):
+        raise ForgeError(
+            f"pipeline parallelism cuts a model into stages of blocks; {type(model).__name__} declares no "
+            "keep_stage(stage, stages) and blocks() (forge_lm.components.PipelineSplittable, ShardedByBlocks). "
+            "Subclass forge_lm.model.Transformer, or set [distributed] pp = 1."
+        )
+    blocks = len(model.blocks())
     if dims.pp_schedule not in SCHEDULES:
         problems.append(f"pp_schedule '{dims.pp_schedule}' is not one of {', '.join(sorted(SCHEDULES))}")
     if getattr(model, "tied", False):
@@ -98,8 +100,8 @@ def check_pipeline(model: nn.Module, dims: Any, microbatches: int) -> None:
             "(the embedding is on the first stage, the head on the last); set [model] tie_embeddings = false "
             "for pipeline parallelism"
         )
-    if len(model.layers) < dims.pp:
-        problems.append(f"pp = {dims.pp} stages need at least as many layers; the model has {len(model.layers)}")
+    if blocks < dims.pp:
+        problems.append(f"pp = {dims.pp} stages need at least as many layers; the model has {blocks}")
     if microbatches < 1:
         problems.append(f"the pipeline needs at least one microbatch, got {microbatches}")
     elif dims.pp_schedule == "1f1b" and microbatches < dims.pp:
@@ -115,14 +117,8 @@ def keep_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     """Reduce the full ``model`` in place to stage ``stage`` of ``stages`` and return it: the
     other stages' blocks go, ``layers`` becomes a ``ModuleDict`` keyed by the global block
     indices (names unchanged), the embedding stays on the first stage only, the final norm and
-    head on the last only."""
-    kept = stage_layers(len(model.layers), stages, stage)
-    model.layers = nn.ModuleDict({str(i): model.layers[i] for i in kept})
-    if stage != 0:
-        model.tok_embeddings = None
-    if stage != stages - 1:
-        model.norm = None
-        model.output = None
+    head on the last only (the model's own :meth:`~forge_lm.components.PipelineSplittable.keep_stage`)."""
+    model.keep_stage(stage, stages)
     return model
 
 

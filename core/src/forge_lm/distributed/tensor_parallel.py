@@ -77,7 +77,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from forge_lm.components import TensorParallelizable
+from forge_lm.components import TensorParallelizable, TensorParallelModel
+from forge_lm.config import model_options
 from forge_lm.distributed.transforms import ModelTransform, TransformContext, transformer_blocks
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.losses.vocab_parallel import VocabParallelLoss
@@ -90,16 +91,6 @@ _UNSHARDED_ARGS = (None,) * 5
 
 def _enabled(context: TransformContext) -> bool:
     return context.dims.tp > 1
-
-
-def _model_plan() -> dict[str, ParallelStyle]:
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        # The logits stay split over the vocabulary, a DTensor: a loss inside loss_parallel_for's
-        # region takes them so; _full_logits gathers them for every other caller.
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    }
 
 
 # Whether the current forward is inside loss_parallel_for's region. A plain flag, not a
@@ -149,35 +140,35 @@ def _block_plan() -> dict[str, ParallelStyle]:
         "attention": PrepareModuleInput(
             input_layouts=(Shard(1), *unsharded), desired_input_layouts=(Replicate(), *unsharded)
         ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     }
 
 
-def _feed_forward_plans(blocks: list[nn.Module], context: TransformContext) -> list[dict[str, ParallelStyle]]:
-    """Each block's feed-forward plan, or a ConfigError for a layer that has none or that ``tp``
-    cannot split evenly."""
-    tp, ffn_name = context.dims.tp, context.config.model.ffn.name
+def _layer_plans(blocks: list[nn.Module], context: TransformContext, kind: str) -> list[dict[str, ParallelStyle]]:
+    """Each block's plan for its ``kind`` layer (``feed_forward`` or ``attention``), or a
+    ConfigError for a layer that has none or that ``tp`` cannot split evenly."""
+    tp = context.dims.tp
+    section = "ffn" if kind == "feed_forward" else kind
+    chosen = getattr(model_options(context.config), section, None)
+    selected = f" '{chosen.name}'" if chosen is not None else ""
+    noun = "feed-forward layer" if kind == "feed_forward" else "attention layer"
     plans = []
     for block in blocks:
-        ffn = block.feed_forward
-        layer = f"the feed-forward layer {type(ffn).__name__} ([model.ffn] '{ffn_name}')"
-        if not isinstance(ffn, TensorParallelizable):
+        module = getattr(block, kind)
+        layer = f"the {noun} {type(module).__name__} ([model.{section}]{selected})"
+        if not isinstance(module, TensorParallelizable):
             raise ConfigError(
                 f"[distributed] tp = {tp}: {layer} does not support tensor parallelism (it defines no "
-                "tensor_parallel_plan()); set [distributed] tp = 1 or use a feed-forward that supports it."
+                f"tensor_parallel_plan()); set [distributed] tp = 1 or use a {noun} that supports it."
             )
-        plan = ffn.tensor_parallel_plan()
+        plan = module.tensor_parallel_plan()
         for name, style in plan.items():
-            size, what = _split_size(ffn.get_submodule(name), style)
+            size, what = _split_size(module.get_submodule(name), style)
             if size % tp:
                 raise ConfigError(
                     f"[distributed] tp = {tp} must divide the sizes that tensor parallelism splits, but in "
-                    f"{layer} {name} has {size} {what}; change the layer's options in [model.ffn] (for "
+                    f"{layer} {name} has {size} {what}; change the layer's options in [model.{section}] (for "
                     "swiglu: hidden_multiplier, multiple_of) or set another tp."
                 )
         plans.append(plan)
@@ -238,16 +229,23 @@ def _module(model: nn.Module, name: str) -> Any:
 
 
 def _apply(model: nn.Module, context: TransformContext) -> None:
+    if not isinstance(model, TensorParallelModel):
+        raise ConfigError(
+            f"[distributed] tp = {context.dims.tp}: the model {type(model).__name__} declares no "
+            "tensor_parallel_plan() (forge_lm.components.TensorParallelModel); set [distributed] tp = 1."
+        )
     blocks = transformer_blocks(model)
-    ffn_plans = _feed_forward_plans(blocks, context)  # refuse before anything is changed
+    # Refuse before anything is changed.
+    attention_plans = _layer_plans(blocks, context, "attention")
+    ffn_plans = _layer_plans(blocks, context, "feed_forward")
     mesh = context.submesh("tp")
     embedding, output = _module(model, "tok_embeddings"), _module(model, "output")
     tied = embedding is not None and output is not None and output.weight is embedding.weight
-    # A pipeline stage holds only some of the outer modules; split those it has.
-    plan = {name: style for name, style in _model_plan().items() if _module(model, name) is not None}
-    parallelize_module(model, mesh, plan)
-    for block, ffn_plan in zip(blocks, ffn_plans, strict=True):
+    # A pipeline stage holds only some of the outer modules; the model's plan names those it has.
+    parallelize_module(model, mesh, model.tensor_parallel_plan())
+    for block, attention_plan, ffn_plan in zip(blocks, attention_plans, ffn_plans, strict=True):
         parallelize_module(block, mesh, _block_plan())
+        parallelize_module(block.attention, mesh, attention_plan)
         parallelize_module(block.feed_forward, mesh, ffn_plan)
     _stage_boundaries(model, blocks, mesh)
     if output is not None:  # registered after the style's own hook, so it sees the split logits

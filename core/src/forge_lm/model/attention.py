@@ -20,6 +20,11 @@ its own document, takes one of three forms, chosen once per forward by :func:`at
   still in bf16 (``benchmarks/bench_train.py`` times both at several lengths).
 - ``"auto"`` (the default): ``"flex"`` on CUDA; on CPU ``"eager"`` up to
   :data:`EAGER_MAX_KEYS` keys (the lengths where it measured faster), ``"sdpa"`` beyond.
+
+A sliding window (:class:`SlidingWindowAttention`, ``window = W``) narrows any of these masks:
+query ``i`` sees key ``j`` only when ``i - W < j``. The model builds that mask once per forward
+for each window its layers declare. The KV cache still keeps every key (the mask hides the old
+ones), so decoding is exact but its memory grows with the whole length.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from forge_lm.model.norms import RMSNorm
 from forge_lm.model.rope import apply_rope
 
 if TYPE_CHECKING:
-    from forge_lm.components import Initializer
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    from forge_lm.components import AttentionSpec, Initializer
     from forge_lm.distributed.context_parallel import ContextParallel
 
 
@@ -114,6 +121,20 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)  # [B, H, T, Dh]
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
+    def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
+        """Heads split over the ``tp`` ranks: ``wq``/``wk``/``wv`` by output (column parallel),
+        so each rank attends with its own heads over the whole sequence; ``wo`` by input (row
+        parallel), its partial sums reduce-scattered along the sequence."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {
+            "wq": ColwiseParallel(),
+            "wk": ColwiseParallel(),
+            "wv": ColwiseParallel(),
+            "wo": RowwiseParallel(output_layouts=Shard(1)),
+        }
+
     def init_weights(self, init: Initializer) -> None:
         """Projections ``normal(0, init.std)``, the residual projection ``wo``
         ``normal(0, init.residual_std)``, the QK-norm scales 1."""
@@ -123,6 +144,34 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 init.ones(norm.weight)
+
+
+class SlidingWindowAttention(Attention):
+    """:class:`Attention` whose queries see only the ``window`` most recent keys, themselves
+    included (Mistral's sliding window). The layer is the same; the model builds its mask
+    (:class:`~forge_lm.components.WindowedAttention`)."""
+
+    def __init__(self, *args: object, window: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.window = window
+
+
+def build_gqa(options: object, spec: AttentionSpec, layer_index: int) -> Attention:
+    """The ``gqa`` attention component."""
+    return Attention(spec.dim, spec.n_heads, spec.n_kv_heads, layer_index, qk_norm=spec.qk_norm, norm_eps=spec.norm_eps)
+
+
+def build_sliding_window(options: object, spec: AttentionSpec, layer_index: int) -> SlidingWindowAttention:
+    """The ``sliding_window`` attention component (options: ``window``)."""
+    return SlidingWindowAttention(
+        spec.dim,
+        spec.n_heads,
+        spec.n_kv_heads,
+        layer_index,
+        qk_norm=spec.qk_norm,
+        norm_eps=spec.norm_eps,
+        window=options.window,
+    )
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -230,22 +279,40 @@ def _compiled(function: Callable[..., object]) -> Callable[..., object]:
     return torch.compile(function)
 
 
-def document_block_mask(document_ids: torch.Tensor) -> BlockMask:
+def document_block_mask(
+    document_ids: torch.Tensor | None,
+    window: int | None = None,
+    *,
+    seq: int | None = None,
+    device: torch.device | None = None,
+) -> BlockMask:
     """The FlexAttention ``BlockMask`` of packed documents ``[B, T]``: query ``i`` sees key ``j``
-    iff ``j <= i`` and both belong to the same document; the same for every head.
+    iff ``j <= i`` and both belong to the same document; the same for every head. With a
+    ``window``, also only iff ``i - window < j``; without documents (``seq`` and ``device``
+    given instead) the mask is causal (and windowed) for every row.
 
     Built once per forward and shared by all layers. On CUDA ``create_block_mask`` is compiled,
     as torch recommends for a mask built every step; eagerly it evaluates the ``mask_mod`` on a
     dense ``[B, T, T]`` grid.
     """
-    batch, seq = document_ids.shape
+    if document_ids is not None:
+        batch, seq = document_ids.shape
+        device = document_ids.device
+    elif seq is None or device is None:
+        raise ValueError("document_block_mask needs document_ids, or seq and device")
+    else:
+        batch = None
 
-    def causal_same_document(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return (kv <= q) & (document_ids[b, q] == document_ids[b, kv])
+    def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        allowed = kv <= q
+        if document_ids is not None:
+            allowed = allowed & (document_ids[b, q] == document_ids[b, kv])
+        if window is not None:
+            allowed = allowed & (q - kv < window)
+        return allowed
 
-    device = document_ids.device
     build = _compiled(create_block_mask) if is_cuda(device) else create_block_mask
-    return build(causal_same_document, batch, None, seq, seq, device=device)
+    return build(visible, batch, None, seq, seq, device=device)
 
 
 def attention_mask(
@@ -255,9 +322,11 @@ def attention_mask(
     device: torch.device,
     backend: str = "sdpa",
     dtype: torch.dtype = torch.float32,
+    window: int | None = None,
 ) -> tuple[torch.Tensor | BlockMask | None, bool]:
     """``(mask, is_causal)`` for ``length`` queries at positions ``[start, start + length)``,
-    attention computed in ``dtype`` (:func:`compute_dtype`).
+    attention computed in ``dtype`` (:func:`compute_dtype`); with a ``window``, each query sees
+    only the ``window`` most recent keys (itself included) as well.
 
     - No documents, no cached prefix: plain causal attention (``is_causal``, no mask tensor, so
       SDPA can use its fused kernels).
@@ -277,7 +346,10 @@ def attention_mask(
     the float ``0 / -inf`` bias :func:`eager_attention` adds to its scores, with ``is_causal``
     False; one new token over a cached prefix still needs none.
     """
-    mask, is_causal = _boolean_mask(document_ids, start, length, device, backend)
+    if window is not None and window < start + length:  # else the window hides nothing
+        mask, is_causal = _windowed_mask(document_ids, start, length, device, backend, window), False
+    else:
+        mask, is_causal = _boolean_mask(document_ids, start, length, device, backend)
     if isinstance(mask, BlockMask) or not uses_eager(backend, device, start + length, dtype):
         return mask, is_causal
     if is_causal:
@@ -306,22 +378,45 @@ def _boolean_mask(
     return key_pos <= query_pos, False
 
 
+def _windowed_mask(
+    document_ids: torch.Tensor | None, start: int, length: int, device: torch.device, backend: str, window: int
+) -> torch.Tensor | BlockMask:
+    """The causal (and same-document) mask, narrowed to keys ``j > i - window``: a BlockMask
+    where FlexAttention is used and nothing is cached, else a boolean ``[T, S]`` (or
+    ``[B, 1, T, T]`` with documents) SDPA mask."""
+    if document_ids is not None and bool((document_ids == document_ids[:, :1]).all()):
+        document_ids = None  # one document per row: causal
+    if start == 0 and uses_flex(backend, device):
+        return document_block_mask(document_ids, window, seq=length, device=device)
+    query_pos = torch.arange(start, start + length, device=device)[:, None]
+    key_pos = torch.arange(start + length, device=device)[None, :]
+    visible = (key_pos <= query_pos) & (query_pos - key_pos < window)  # [T, S]
+    if document_ids is None:
+        return visible
+    same_document = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T] (start is 0)
+    return (same_document & visible)[:, None]
+
+
 def positional_mask(
     query_positions: torch.Tensor,
     key_positions: torch.Tensor,
     query_documents: torch.Tensor | None,
     key_documents: torch.Tensor | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """A boolean SDPA mask (True = may attend) from global positions: query ``i`` sees key ``j``
     iff ``key_positions[j] <= query_positions[i]`` and, with documents ``[B, Tq]``/``[B, Tk]``,
     both belong to the same one. ``[Tq, Tk]``, or ``[B, 1, Tq, Tk]`` with documents. Each query
-    sees at least its own key, so no row is empty. For tokens held in any order, such as a
+    sees at least its own key, so no row is empty. With a ``window``, also only iff
+    ``query_positions[i] - key_positions[j] < window``. For tokens held in any order, such as a
     context-parallel rank's slice and the keys gathered from its group.
 
     Context parallelism keeps this dense SDPA mask whatever ``attention_backend`` says: its
     queries are a rank's two chunks and its keys the whole gathered sequence, so the mask is
     built from those global positions rather than from :func:`document_block_mask`."""
     causal = key_positions[None, :] <= query_positions[:, None]  # [Tq, Tk]
+    if window is not None:
+        causal = causal & (query_positions[:, None] - key_positions[None, :] < window)
     if query_documents is None or key_documents is None:
         return causal
     same_document = query_documents[:, :, None] == key_documents[:, None, :]  # [B, Tq, Tk]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from forge_lm.components import CountsActiveParameters
+from forge_lm.components import CountsActiveParameters, CountsFlops
 from forge_lm.config import ModelSection
 
 
@@ -32,6 +32,14 @@ def active_parameter_count(model: nn.Module) -> int:
 
     walk(model)
     return reported + sum(counted.values())
+
+
+def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token of ``model`` in sequences of ``seq_len``: what the model declares
+    (:class:`~forge_lm.components.CountsFlops`), else ``6 * active parameters``."""
+    if isinstance(model, CountsFlops):
+        return float(model.flops_per_token(seq_len))
+    return 6.0 * active_parameter_count(model)
 
 
 def flops_per_token(config: ModelSection, active_params: int, seq_len: int) -> float:

@@ -165,10 +165,12 @@ def check_llama_compatible(config: ModelSection) -> None:
         problems.append("[model] qk_norm = true (Llama has no QK-norm)")
     if config.ffn.name.rpartition(":")[2] != "swiglu":
         problems.append(f"[model.ffn] name = '{config.ffn.name}' (Llama uses 'swiglu')")
+    if config.attention.name.rpartition(":")[2] != "gqa":
+        problems.append(f"[model.attention] name = '{config.attention.name}' (Llama uses 'gqa', full causal attention)")
     if problems:
         raise ForgeError(
             "this model has no Hugging Face LlamaForCausalLM equivalent: " + "; ".join(problems) + ". "
-            "Only rmsnorm + no QK-norm + swiglu models convert; keep them in Forge's own checkpoint format."
+            "Only rmsnorm + no QK-norm + gqa + swiglu models convert; keep them in Forge's own checkpoint format."
         )
 
 
@@ -332,7 +334,10 @@ def llama_export(
     refused with a :class:`ForgeError` naming each setting. A tied head is stored once, as the
     embedding: safetensors refuses shared tensors, and transformers re-ties on load.
     """
-    if not all(isinstance(layer.feed_forward, SwiGLU) for layer in model.layers):
+    from forge_lm.model.transformer import Transformer
+
+    # Another family (a subclass of Transformer included) converts itself through its plugin.
+    if type(model) is not Transformer or not all(isinstance(layer.feed_forward, SwiGLU) for layer in model.layers):
         return None
     check_llama_compatible(config)
     hf_config = hf_config_dict(config, model.vocab_size, swiglu_hidden_of(model), bos_id=bos_id, eos_id=eos_id)
@@ -510,9 +515,11 @@ def export_with_plugins(
     core's Llama conversion is asked last). Refuses a model that no installed plugin converts."""
     answer = _first_answer(manager, "forge_lm_hf_export", model=model, config=config)
     if answer is None:
+        ffn = getattr(config, "ffn", None)
+        made_of = f"its feed-forward is [model.ffn] name = '{ffn.name}'" if ffn is not None else "its model family"
         raise ForgeError(
-            f"this model has no Hugging Face equivalent that an installed plugin writes: its feed-forward is "
-            f"[model.ffn] name = '{config.ffn.name}', and no plugin's forge_lm_hf_export converts it (asked: "
+            f"this model has no Hugging Face equivalent that an installed plugin writes: {made_of} "
+            f"({type(model).__name__}), and no plugin's forge_lm_hf_export converts it (asked: "
             f"{_askers(manager, 'forge_lm_hf_export')}). Keep it in Forge's own checkpoint format, or install "
             "the plugin that converts such models."
         )

@@ -279,9 +279,14 @@ def _check_signature(module: nn.Module, init_weights: Callable[..., Any]) -> Non
 
 
 def model_stds(model: nn.Module) -> tuple[float, float]:
-    """``(init_std, init_std / sqrt(2 * n_layers))`` of a forge_lm Transformer (or a stage of one)."""
+    """``(init_std, init_std / sqrt(2 * n_layers))`` of a model (or a stage of one), from the
+    options it keeps as ``model.config``; a family whose options have no ``n_layers`` gets
+    ``init_std`` for its residual projections too."""
     config = model.config
-    return config.init_std, config.init_std / math.sqrt(2 * config.n_layers)
+    n_layers = getattr(config, "n_layers", None)
+    if not isinstance(n_layers, int) or n_layers < 1:
+        return config.init_std, config.init_std
+    return config.init_std, config.init_std / math.sqrt(2 * n_layers)
 
 
 def initialize(module: nn.Module, seed: int, std: float | None = None, residual_std: float | None = None) -> None:

@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from forge_lm.config import ForgeConfig, ModelSection
+from forge_lm.components import ShardedByBlocks
+from forge_lm.config import ComponentConfig, ForgeConfig, LlamaOptions, ModelSection, model_options
 from forge_lm.errors import ConfigError, ForgeError, PluginError
 from forge_lm.model.attention import uses_eager
 
@@ -147,10 +148,17 @@ def format_count(n: int) -> str:
 # -- parameters ----------------------------------------------------------------------------------
 
 
-def lower_bound(model: ModelSection, vocab_size: int) -> ParameterCount:
-    """The parameters every model of ``model`` has whatever its feed-forward layer: embedding,
-    head (if untied), attention projections, norm scales; buffers: the RoPE tables. Python
-    integers, so any size is counted without overflow or allocation."""
+def lower_bound(model: Any, vocab_size: int) -> ParameterCount:
+    """The parameters every model of ``model`` (the ``llama`` family's options, or a family's
+    options with the same sizes) has whatever its feed-forward layer: embedding, head (if
+    untied), attention projections, norm scales; buffers: the RoPE tables. Python integers, so
+    any size is counted without overflow or allocation. A family whose options lack those sizes
+    gets its embedding alone, or nothing."""
+    if not isinstance(model, LlamaOptions):
+        dim = getattr(model, "dim", None)
+        if not isinstance(dim, int):
+            return ParameterCount(0, 0, 0, exact=False)
+        return ParameterCount(vocab_size * dim, 4 * vocab_size * dim, 0, exact=False)
     dim, head_dim = model.dim, model.head_dim
     kv_dim = model.kv_heads * head_dim
     per_block = 2 * dim * dim + 2 * dim * kv_dim + 2 * dim  # wq, wo; wk, wv; two norm scales
@@ -162,14 +170,20 @@ def lower_bound(model: ModelSection, vocab_size: int) -> ParameterCount:
     return ParameterCount(parameters, 4 * parameters, rope, exact=False)
 
 
-def count_parameters(model: ModelSection, vocab_size: int, registry: Any) -> ParameterCount:
-    """The parameters of the model :func:`~forge_lm.model.build_model` builds, counted on the meta
-    device: exact for up to :data:`MAX_BUILT_LAYERS` blocks. Raises what building raises (a
-    :class:`ForgeError` from a component; anything else if a component cannot be built on meta)."""
+def count_parameters(model: ComponentConfig | ModelSection, vocab_size: int, registry: Any) -> ParameterCount:
+    """The parameters of the model :func:`~forge_lm.model.build_model` builds from ``model`` (the
+    ``[model]`` section, or the ``llama`` family's options), counted on the meta device: exact
+    for up to :data:`MAX_BUILT_LAYERS` blocks of a family whose options have ``n_layers``.
+    Raises what building raises (a :class:`ForgeError` from a component; anything else if a
+    component cannot be built on meta)."""
     from forge_lm.model.transformer import build_model
 
-    built = min(model.n_layers, MAX_BUILT_LAYERS)
-    section = model if built == model.n_layers else attrs.evolve(model, n_layers=built)
+    section = model if isinstance(model, ComponentConfig) else ComponentConfig("llama", model)
+    options = section.options if section.options is not None else _family_defaults(section, registry)
+    total_layers = getattr(options, "n_layers", None)
+    built = min(total_layers, MAX_BUILT_LAYERS) if isinstance(total_layers, int) else None
+    if built is not None and built != total_layers:
+        section = attrs.evolve(section, options=attrs.evolve(options, n_layers=built))
     # The meta device allocates nothing; fork_rng keeps the run's seeded generator where it was
     # in case a component draws from it while initialising.
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
@@ -184,19 +198,24 @@ def count_parameters(model: ModelSection, vocab_size: int, registry: Any) -> Par
                 numel, nbytes = numel + param.numel(), nbytes + param.numel() * param.element_size()
         return numel, nbytes
 
-    layers = list(meta.layers)
+    layers = meta.blocks() if isinstance(meta, ShardedByBlocks) else []
     per_layer = [size(layer) for layer in layers]
     rest = size(meta)  # what the blocks do not hold: the embedding (and a tied head, once), the final norm
     buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
     numel = rest[0] + sum(n for n, _ in per_layer)
     nbytes = rest[1] + sum(b for _, b in per_layer)
-    missing = model.n_layers - built
-    if missing:
+    missing = total_layers - built if built is not None else 0
+    if missing and layers:
         smallest = min(per_layer)
         numel, nbytes = numel + missing * smallest[0], nbytes + missing * smallest[1]
         layer_buffers = min(sum(b.numel() * b.element_size() for b in layer.buffers()) for layer in layers)
         buffers += missing * layer_buffers
     return ParameterCount(numel, nbytes, buffers, exact=not missing)
+
+
+def _family_defaults(section: ComponentConfig, registry: Any) -> Any:
+    family = section.component if section.component is not None else registry.resolve("models", section.name)
+    return family.options_class()
 
 
 def optimizer_states(component: Any) -> float:
@@ -218,12 +237,19 @@ def optimizer_states(component: Any) -> float:
 # -- the estimate --------------------------------------------------------------------------------
 
 
-def activation_bytes_per_token(model: ModelSection, autocast: torch.dtype | None) -> int:
+def activation_bytes_per_token(model: Any, autocast: torch.dtype | None) -> int:
     """Bytes one block's backward keeps per token: ``dim * (16 * element + 16)``, 80 per unit of
     ``dim`` in fp32 (measured on the built-in block: 88), 48 in bf16 (the fp32 residual stream,
-    norms and RoPE are part of it); a lower estimate for wider feed-forward layers (MoE)."""
+    norms and RoPE are part of it); a lower estimate for wider feed-forward layers (MoE). 0 for
+    a family whose options have no ``dim``."""
     element = 4 if autocast is None else torch.finfo(autocast).bits // 8
-    return model.dim * (16 * element + 16)
+    return _size(model, "dim") * (16 * element + 16)
+
+
+def _size(options: Any, name: str) -> int:
+    """A size field of a family's options, or 0 where the family has none of that name."""
+    value = getattr(options, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def eager_attention_bytes_per_token(
@@ -233,13 +259,11 @@ def eager_attention_bytes_per_token(
     on ``device``; context parallelism always takes SDPA): every head's probabilities over the
     ``seq_len`` keys, in the compute dtype. 0 otherwise, or when the device is not known."""
     dtype = autocast or torch.float32
-    if (
-        device is None
-        or dims.cp > 1
-        or not uses_eager(config.model.attention_backend, device, config.train.seq_len, dtype)
-    ):
+    options = model_options(config)
+    backend = getattr(options, "attention_backend", "auto")
+    if device is None or dims.cp > 1 or not uses_eager(backend, device, config.train.seq_len, dtype):
         return 0
-    return config.model.n_heads * config.train.seq_len * torch.finfo(dtype).bits // 8
+    return _size(options, "n_heads") * config.train.seq_len * torch.finfo(dtype).bits // 8
 
 
 def estimate_memory(
@@ -260,7 +284,7 @@ def estimate_memory(
     except ForgeError:
         raise
     except Exception:  # noqa: BLE001 - whatever stops the meta build, the lower bound still holds
-        count = lower_bound(config.model, vocab_size)
+        count = lower_bound(model_options(config), vocab_size)
     return _estimate(config, vocab_size, count, component.name, states, dims, autocast, device)
 
 
@@ -274,16 +298,16 @@ def _estimate(
     autocast: torch.dtype | None,
     device: torch.device | None,
 ) -> MemoryEstimate:
-    model, train = config.model, config.train
+    model, train = model_options(config), config.train
     shards = dims.dp_shard * dims.cp * dims.tp * dims.pp  # FSDP2 shards over dp_shard x cp
     sharded = count.parameter_bytes / shards
     tokens = train.batch_size * train.seq_len // dims.cp  # one micro-batch; a cp rank holds 1 / cp of it
     per_block = (
         activation_bytes_per_token(model, autocast) + eager_attention_bytes_per_token(config, device, dims, autocast)
     ) / dims.tp
-    blocks = math.ceil(model.n_layers / dims.pp)
+    blocks = math.ceil(_size(model, "n_layers") / dims.pp)
     if train.activation_checkpointing == "full":  # block inputs (fp32 residual stream), one block recomputed
-        kept = blocks * model.dim * 4 / dims.tp + per_block
+        kept = blocks * _size(model, "dim") * 4 / dims.tp + per_block
     elif train.activation_checkpointing == "selective":  # matmul and attention outputs kept, the rest recomputed
         kept = blocks * per_block * 0.6
     else:
@@ -434,7 +458,7 @@ def processes_on_host(device: torch.device) -> int:
 
 def model_vocab_size(config: ForgeConfig, tokenizer: Any) -> int:
     """The model's vocabulary: ``[model] vocab_size``, at least the tokenizer's, or the tokenizer's."""
-    size = config.model.vocab_size
+    size = model_options(config).vocab_size
     if size is None:
         return tokenizer.vocab_size
     if size < tokenizer.vocab_size:

@@ -1,11 +1,14 @@
-"""The dense decoder-only transformer (Llama layout) and :func:`build_model`, its one constructor.
+"""The decoder-only transformer (Llama layout), the ``llama`` model family, and
+:func:`build_model`, the one way to construct any family's model.
 
 Layout: token embedding -> ``n_layers`` pre-norm blocks (``x + attention(norm(x))``, then
-``x + feed_forward(norm(x))``) -> final norm -> output head. The feed-forward layer of every
-block is a registered ``feed_forwards`` component, so plugins (mixture of experts, ...) change
-it without touching this file. Parameter names follow Meta's Llama (``tok_embeddings``,
-``layers.N.attention.wq``, ``layers.N.feed_forward.w1``, ``output``); :mod:`forge_lm.model.hf`
-maps them onto Hugging Face's.
+``x + feed_forward(norm(x))``) -> final norm -> output head. The attention and the
+feed-forward layer of every block are registered ``attentions`` and ``feed_forwards``
+components, so plugins (mixture of experts, latent attention, ...) change them without
+touching this file; a plugin's model family may subclass :class:`Transformer` and keep every
+capability the training path asks of a model (:mod:`forge_lm.components`). Parameter names
+follow Meta's Llama (``tok_embeddings``, ``layers.N.attention.wq``, ``layers.N.feed_forward.w1``,
+``output``); :mod:`forge_lm.model.hf` maps them onto Hugging Face's.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from forge_lm.config import ModelSection
+from forge_lm.components import AttentionSpec, ModelContext, RotaryAttention, WindowedAttention
+from forge_lm.config import ComponentConfig, LlamaOptions, ModelSection
 from forge_lm.errors import ForgeError, PluginError
 from forge_lm.model.attention import Attention, attention_mask, compute_dtype, positional_mask
 from forge_lm.model.init import initialize
@@ -35,12 +39,21 @@ if TYPE_CHECKING:
 class Block(nn.Module):
     """One pre-norm transformer block: attention, then the feed-forward layer, each on a residual."""
 
-    def __init__(self, config: ModelSection, layer_index: int, feed_forward: nn.Module) -> None:
+    def __init__(
+        self, config: ModelSection, layer_index: int, feed_forward: nn.Module, attention: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.attention_norm = build_norm(config.norm, config.dim, config.norm_eps)
-        self.attention = Attention(
-            config.dim, config.n_heads, config.kv_heads, layer_index, qk_norm=config.qk_norm, norm_eps=config.norm_eps
-        )
+        if attention is None:
+            attention = Attention(
+                config.dim,
+                config.n_heads,
+                config.kv_heads,
+                layer_index,
+                qk_norm=config.qk_norm,
+                norm_eps=config.norm_eps,
+            )
+        self.attention = attention
         self.ffn_norm = build_norm(config.norm, config.dim, config.norm_eps)
         self.feed_forward = feed_forward
 
@@ -58,7 +71,7 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
     def init_weights(self, init: Initializer) -> None:
-        self.attention.init_weights(init)
+        init.module(self.attention)
         for norm in (self.attention_norm, self.ffn_norm):
             init.ones(norm.weight)
         # The layer's own init_weights(init) knows which of its projections write into the
@@ -79,17 +92,29 @@ class Transformer(nn.Module):
     # a slice of each sequence and its attention layers gather the group's keys and values.
     context_parallel: ContextParallel | None = None
 
-    def __init__(self, config: ModelSection, vocab_size: int, feed_forwards: Sequence[nn.Module]) -> None:
+    def __init__(
+        self,
+        config: ModelSection,
+        vocab_size: int,
+        feed_forwards: Sequence[nn.Module],
+        attentions: Sequence[nn.Module] | None = None,
+    ) -> None:
         super().__init__()
         if len(feed_forwards) != config.n_layers:
             raise ForgeError(
                 f"the model has {config.n_layers} layers but got {len(feed_forwards)} feed-forward layers."
             )
+        if attentions is not None and len(attentions) != config.n_layers:
+            raise ForgeError(f"the model has {config.n_layers} layers but got {len(attentions)} attention layers.")
         self.config = config
         self.vocab_size = vocab_size
         self.tok_embeddings = nn.Embedding(vocab_size, config.dim)
-        self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
-        self.layers = nn.ModuleList(Block(config, i, ffn) for i, ffn in enumerate(feed_forwards))
+        per_layer = attentions if attentions is not None else [None] * config.n_layers
+        self.layers = nn.ModuleList(
+            Block(config, i, ffn, attention)
+            for i, (ffn, attention) in enumerate(zip(feed_forwards, per_layer, strict=True))
+        )
+        self.rope = RotaryEmbedding(self._rope_dim(), config.max_seq_len, config.rope_theta)
         self.norm = build_norm(config.norm, config.dim, config.norm_eps)
         self.output = Linear(config.dim, vocab_size, bias=False)
         if config.tie_embeddings:
@@ -100,6 +125,63 @@ class Transformer(nn.Module):
         if self.output is None or self.tok_embeddings is None:  # a pipeline stage holds at most one of them
             return False
         return self.output.weight is self.tok_embeddings.weight
+
+    def _rope_dim(self) -> int:
+        """The RoPE tables' width: the head size, or what the attention layers declare
+        (:class:`~forge_lm.components.RotaryAttention`); one table serves every layer."""
+        dims = {
+            layer.attention.rope_dim if isinstance(layer.attention, RotaryAttention) else self.config.head_dim
+            for layer in self.layers
+        }
+        if len(dims) > 1:
+            raise ForgeError(f"the attention layers want RoPE tables of different widths {sorted(dims)}; use one kind.")
+        return dims.pop() if dims else self.config.head_dim
+
+    # -- the capabilities the training path asks a model for (forge_lm.components) ----------
+
+    def blocks(self) -> list[nn.Module]:
+        """The blocks in order (a pipeline stage: the ones it holds)."""
+        layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
+        return [block for block in layers if block is not None]
+
+    def tensor_parallel_plan(self) -> dict[str, Any]:
+        """How ``tp`` splits the modules outside the blocks (those this model or stage holds):
+        the embedding by vocabulary rows, the final norm over the sequence, the head by
+        vocabulary (see :mod:`forge_lm.distributed.tensor_parallel`)."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+        plan = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            # The logits stay split over the vocabulary, a DTensor: a loss inside loss_parallel_for's
+            # region takes them so; the transform's hook gathers them for every other caller.
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        }
+        return {name: style for name, style in plan.items() if getattr(self, name, None) is not None}
+
+    def keep_stage(self, stage: int, stages: int) -> None:
+        """Keep the parts pipeline stage ``stage`` of ``stages`` holds: its consecutive blocks
+        (``layers`` becomes a ``ModuleDict`` keyed by their global indices, so parameter names
+        stay the full model's), the embedding on the first stage, the final norm and the head
+        on the last."""
+        from forge_lm.distributed.pipeline import stage_layers
+
+        kept = stage_layers(len(self.layers), stages, stage)
+        self.layers = nn.ModuleDict({str(i): self.layers[i] for i in kept})
+        if stage > 0:
+            self.tok_embeddings = None
+        if stage < stages - 1:
+            self.norm = None
+            self.output = None
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: ``6 * active parameters`` (forward and backward of every
+        weight matmul) plus attention's score and value products over the causal half of a
+        sequence (:func:`forge_lm.model.flops.flops_per_token`)."""
+        from forge_lm.model.flops import active_parameter_count, flops_per_token
+
+        return flops_per_token(self.config, active_parameter_count(self), seq_len)
 
     def init_weights(self, init: Initializer) -> None:
         """Scaled init: matrices and the embedding ``normal(0, init_std)``, residual projections
@@ -113,8 +195,7 @@ class Transformer(nn.Module):
         """
         if self.tok_embeddings is not None:
             init.normal(self.tok_embeddings.weight, init.std)
-        layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
-        for layer in layers:
+        for layer in self.blocks():
             layer.init_weights(init)
         if self.norm is not None:
             init.ones(self.norm.weight)
@@ -177,16 +258,44 @@ class Transformer(nn.Module):
             mask, is_causal = attention_mask(
                 document_ids, start, seq, device, self.config.attention_backend, compute_dtype(device)
             )
-            cos, sin = self.rope(start, seq)  # [T, head_dim] each
+            cos, sin = self.rope(start, seq)  # [T, rope_dim] each
+        masks = {None: (mask, is_causal)}
+
+        def mask_for(layer: nn.Module) -> tuple[Any, bool]:
+            # A windowed layer's mask is built once per forward for its window and shared by
+            # every layer with that window.
+            window = layer.attention.window if isinstance(layer.attention, WindowedAttention) else None
+            if window not in masks:
+                masks[window] = self._windowed_mask(window, input_ids, document_ids, positions, kv_cache, start, seq)
+            return masks[window]
+
         h = self.tok_embeddings(input_ids) if embeds else input_ids  # [B, T, dim]
-        layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
-        for layer in layers:
-            h = layer(h, cos, sin, mask, is_causal, kv_cache)
+        for layer in self.blocks():
+            h = layer(h, cos, sin, *mask_for(layer), kv_cache)
         if kv_cache is not None:
             kv_cache.advance(seq)
         if self.output is None:  # a pipeline stage before the last: the next stage goes on from h
             return h
         return self.output(self.norm(h))  # [B, T, vocab]
+
+    def _windowed_mask(
+        self,
+        window: int,
+        input_ids: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        start: int,
+        seq: int,
+    ) -> tuple[Any, bool]:
+        """``(mask, is_causal)`` for layers whose queries see only ``window`` keys."""
+        if positions is not None or self.context_parallel is not None:
+            mask, _, _ = self._positional_attention(positions, document_ids, kv_cache, seq, window)
+            return mask, False
+        device = input_ids.device
+        return attention_mask(
+            document_ids, start, seq, device, self.config.attention_backend, compute_dtype(device), window=window
+        )
 
     def _positional_attention(
         self,
@@ -194,6 +303,7 @@ class Transformer(nn.Module):
         document_ids: torch.Tensor | None,
         kv_cache: KVCache | None,
         seq: int,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(mask, cos, sin)`` for tokens at explicit ``positions``; under context parallelism
         the mask's keys are the group's, in the order the attention layers gather them. Always a
@@ -219,7 +329,7 @@ class Transformer(nn.Module):
             if bool((key_documents == key_documents[:, :1]).all()):
                 document_ids = key_documents = None
         cos, sin = self.rope.at(positions)
-        return positional_mask(positions, key_positions, document_ids, key_documents), cos, sin
+        return positional_mask(positions, key_positions, document_ids, key_documents, window), cos, sin
 
     def _check_lengths(self, start: int, seq: int) -> None:
         limit = self.config.max_seq_len
@@ -232,18 +342,19 @@ class Transformer(nn.Module):
 
 
 def build_model(
-    config: ModelSection,
+    config: ComponentConfig | LlamaOptions,
     vocab_size: int,
     registry: Any,
     *,
     seed: int | None = None,
     device: torch.device | str | None = None,
-) -> Transformer:
-    """The model of ``config`` with a ``vocab_size`` vocabulary, initialised from ``seed``.
+) -> nn.Module:
+    """The model ``config`` describes, with a ``vocab_size`` vocabulary, initialised from ``seed``.
 
-    The feed-forward layer of block ``i`` is ``registry.resolve("feed_forwards", config.ffn.name)
-    .build(options, config.dim, i)``; unset options (``ComponentConfig(name)`` built in code) mean
-    the component's defaults.
+    ``config``: the ``[model]`` section (a :class:`~forge_lm.config.ComponentConfig` naming a
+    registered model family and holding its options), or the options of the built-in ``llama``
+    family alone. The family's factory builds the module (for ``llama``, :func:`build_llama`);
+    unset options (``ComponentConfig(name)`` built in code) mean the family's defaults.
 
     ``seed``: the run's seed; None takes ``torch.initial_seed()``, the seed ``torch.manual_seed``
     last set, so ``torch.manual_seed(s); build_model(...)`` is ``build_model(..., seed=s)``. Each
@@ -254,6 +365,7 @@ def build_model(
     """
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ForgeError(f"vocab_size must be a positive integer, got {vocab_size!r}; set [model] vocab_size.")
+    family, options = _family(config, registry)
     # Constructors draw default values from torch's global generator (nn.Linear's own init),
     # except on the meta device: fork it, so that what comes after the build draws the same
     # numbers whatever the layout.
@@ -264,20 +376,81 @@ def build_model(
         else []
     )
     with torch.random.fork_rng(devices=cuda), place if place is not None else contextlib.nullcontext():
-        model = _construct(config, vocab_size, registry)
+        model = family.build_for_run(options, ModelContext(vocab_size=vocab_size, registry=registry))
+    _check_model(model, family)
     if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         initialize(model, torch.initial_seed() if seed is None else seed)
     return model
 
 
-def _construct(config: ModelSection, vocab_size: int, registry: Any) -> Transformer:
-    component = registry.resolve("feed_forwards", config.ffn.name)
-    options = config.ffn.options if config.ffn.options is not None else component.options_class()
-    feed_forwards = [component.build(options, config.dim, i) for i in range(config.n_layers)]
-    for i, ffn in enumerate(feed_forwards):
-        if not isinstance(ffn, nn.Module):
+def _family(config: ComponentConfig | LlamaOptions, registry: Any) -> tuple[Any, Any]:
+    """The registered family ``config`` selects and its options."""
+    if isinstance(config, LlamaOptions):
+        return registry.resolve("models", "llama"), config
+    if not isinstance(config, ComponentConfig):
+        raise TypeError(f"build_model takes the [model] section (a ComponentConfig) or LlamaOptions, not {config!r}")
+    family = config.component if config.component is not None else registry.resolve("models", config.name)
+    return family, config.options if config.options is not None else family.options_class()
+
+
+def _check_model(model: object, family: Any) -> None:
+    from forge_lm.components import LanguageModel
+
+    if not isinstance(model, nn.Module) or not isinstance(model, LanguageModel):
+        got = type(model).__name__
+        raise PluginError(
+            f"model family '{family.name}' from {family.plugin.label} returned {got}, not a torch.nn.Module with "
+            "forward(input_ids, document_ids=None) and init_weights(init) (forge_lm.components.LanguageModel). "
+            f"This is a bug in {family.plugin.distribution}: report it to its authors, or choose another [model] name."
+        )
+    if not hasattr(model, "config"):
+        raise PluginError(
+            f"model family '{family.name}' from {family.plugin.label} returned a {type(model).__name__} without a "
+            "'config' attribute; the model must keep its options there (init_std, max_seq_len are read from it)."
+        )
+
+
+def build_llama(options: LlamaOptions, context: ModelContext) -> Transformer:
+    """The ``llama`` family's factory: a :class:`Transformer` whose blocks' attention and
+    feed-forward layers are the components ``[model.attention]`` and ``[model.ffn]`` select,
+    built once per layer index (a factory may build a different layer per index: MoE every
+    n-th layer)."""
+    feed_forwards = build_layers(options.ffn, context.registry, "feed_forwards", options.dim, options.n_layers)
+    spec = attention_spec(options)
+    attentions = build_layers(options.attention, context.registry, "attentions", spec, options.n_layers)
+    return Transformer(options, context.vocab_size, feed_forwards, attentions)
+
+
+def attention_spec(options: LlamaOptions) -> AttentionSpec:
+    """The sizes an attention factory builds to, from the ``llama`` family's options."""
+    return AttentionSpec(
+        dim=options.dim,
+        n_heads=options.n_heads,
+        n_kv_heads=options.kv_heads,
+        head_dim=options.head_dim,
+        n_layers=options.n_layers,
+        max_seq_len=options.max_seq_len,
+        rope_theta=options.rope_theta,
+        norm_eps=options.norm_eps,
+        qk_norm=options.qk_norm,
+        backend=options.attention_backend,
+    )
+
+
+def build_layers(chosen: ComponentConfig, registry: Any, category: str, sizes: Any, n_layers: int) -> list[nn.Module]:
+    """One module per layer index from the component ``chosen`` selects (``[model.ffn]``,
+    ``[model.attention]``): ``factory(options, sizes, layer_index)``, each result checked to
+    be a module. For a family that builds its blocks from the same components."""
+    from forge_lm.plugins._categories import singular
+
+    component = chosen.component if chosen.component is not None else registry.resolve(category, chosen.name)
+    options = chosen.options if chosen.options is not None else component.options_class()
+    layers = [component.build(options, sizes, i) for i in range(n_layers)]
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, nn.Module):
+            noun = singular(category)
             raise PluginError(
-                f"feed-forward '{config.ffn.name}' returned {type(ffn).__name__} for layer {i}, not a "
-                "torch.nn.Module; its factory must return a module mapping [batch, seq, dim] to the same shape."
+                f"{noun} '{chosen.name}' from {component.plugin.label} returned {type(layer).__name__} for layer {i}, "
+                "not a torch.nn.Module; its factory must return a module mapping [batch, seq, dim] to the same shape."
             )
-    return Transformer(config, vocab_size, feed_forwards)
+    return layers

@@ -12,6 +12,8 @@ CATEGORIES: dict[str, tuple[str, str]] = {
     "datasets": ("dataset", "datasets"),
     "metrics_backends": ("metrics backend", "metrics backends"),
     "tokenizers": ("tokenizer", "tokenizers"),
+    "models": ("model family", "model families"),
+    "attentions": ("attention layer", "attention layers"),
     "feed_forwards": ("feed-forward layer", "feed-forward layers"),
     "routers": ("router", "routers"),
     "model_transforms": ("model transform", "model transforms"),

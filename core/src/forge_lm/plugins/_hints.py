@@ -11,6 +11,8 @@ from __future__ import annotations
 
 KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     "optimizers": {"muon": "forge-optim-muon"},
+    "models": {"deepseek_v3": "forge-deepseek"},
+    "attentions": {"mla": "forge-deepseek"},
     "feed_forwards": {"moe": "forge-moe"},
     "routers": {"softmax_topk": "forge-moe", "sigmoid_topk": "forge-moe"},
     "model_transforms": {"expert_parallel": "forge-moe", "moe_load_sync": "forge-moe", "float8": "forge-float8"},
@@ -19,7 +21,15 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
 }
 
 
-FIRST_PARTY = ("forge-float8", "forge-lm-eval", "forge-moe", "forge-optim-muon", "forge-prometheus", "forge-wandb")
+FIRST_PARTY = (
+    "forge-deepseek",
+    "forge-float8",
+    "forge-lm-eval",
+    "forge-moe",
+    "forge-optim-muon",
+    "forge-prometheus",
+    "forge-wandb",
+)
 
 
 def known_provider(category: str, name: str) -> str | None:

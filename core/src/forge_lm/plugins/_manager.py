@@ -45,6 +45,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "core.datasets": "forge_lm.default_plugins.datasets",
     "core.metrics": "forge_lm.default_plugins.metrics",
     "core.tokenizers": "forge_lm.default_plugins.tokenizers",
+    "core.models": "forge_lm.default_plugins.models",
     "core.feed_forwards": "forge_lm.default_plugins.feed_forwards",
     "core.transforms": "forge_lm.default_plugins.transforms",
     "core.hf_llama": "forge_lm.default_plugins.hf_llama",

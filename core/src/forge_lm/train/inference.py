@@ -17,7 +17,7 @@ import torch
 
 from forge_lm.checkpoint import CHECKPOINTS, CheckpointManager, step_of
 from forge_lm.checkpoint._state import TRAINER_STATE
-from forge_lm.config import load_config
+from forge_lm.config import load_config, model_options
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.model import build_model
 from forge_lm.model.memory import loading_shortfall
@@ -37,7 +37,7 @@ def load_for_inference(path: str | Path, manager: Any) -> tuple[torch.nn.Module,
         )
     config = load_config(run_dir / CONFIG_FILE, [], manager.registry)
     tokenizer = config.tokenizer.build()
-    vocab_size = config.model.vocab_size or tokenizer.vocab_size
+    vocab_size = model_options(config).vocab_size or tokenizer.vocab_size
     _check_fits(config, vocab_size, manager.registry, run_dir)
     model = build_model(config.model, vocab_size, manager.registry)
     optimizer = config.optimizer.build(model)

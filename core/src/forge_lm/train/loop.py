@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from forge_lm import events
 from forge_lm.checkpoint import CheckpointManager
 from forge_lm.components import EvaluationPointOptimizer, EvaluatorContext
-from forge_lm.config import ForgeConfig, to_data
+from forge_lm.config import ForgeConfig, model_options, to_data
 from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed import (
     ParallelDims,
@@ -55,7 +55,8 @@ from forge_lm.losses.aux import AuxCollector, collect_aux
 from forge_lm.metrics.memory import MemoryMetrics
 from forge_lm.metrics.mfu import is_measured, mfu, remeasure_cpu_peak_with_source, world_peak_with_source
 from forge_lm.model import build_model
-from forge_lm.model.flops import active_parameter_count, flops_per_token
+from forge_lm.model.capabilities import check_capabilities
+from forge_lm.model.flops import model_flops_per_token
 from forge_lm.model.init import materialize
 from forge_lm.model.linear import kernel_in_use as linear_kernel_in_use
 from forge_lm.model.linear import set_kernel as set_linear_kernel
@@ -185,7 +186,8 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     model = build_model(
         config.model, vocab_size, registry, seed=config.train.seed, device="meta" if on_meta else device
     )
-    flops = flops_per_token(config.model, active_parameter_count(model), config.train.seq_len)
+    check_capabilities(model, config, dims)  # before any transform: a layout the family cannot run is refused
+    flops = model_flops_per_token(model, config.train.seq_len)
     context_parallel = None
     if dims.cp > 1:  # before the transforms: FSDP2 and activation checkpointing wrap the modules it marks
         context_parallel = ContextParallel.from_mesh(mesh)
@@ -211,7 +213,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
             tokenizer=tokenizer,
             vocab_size=vocab_size,
             seq_len=config.train.seq_len,
-            max_seq_len=config.model.max_seq_len,
+            max_seq_len=model_options(config).max_seq_len,
             batch_size=config.train.batch_size,
             device=device,
             dtype=dtype,

@@ -17,6 +17,7 @@ from forge_lm.config import ForgeConfig
 from forge_lm.distributed.launch import detect_launch
 from forge_lm.distributed.mesh import ParallelDims
 from forge_lm.errors import ConfigError
+from forge_lm.model.capabilities import check_family_supports
 from forge_lm.model.memory import (
     estimate_memory,
     format_bytes,
@@ -44,6 +45,7 @@ def validation_report(config: ForgeConfig, registry: Any) -> str:
     # The rules tying the degrees to the model and the batch, as a launch would check them; with
     # dp_shard = -1 the launch picks a dp_shard that ep divides.
     attrs.evolve(dims, dp_shard=dp_shard * section.ep if section.dp_shard == -1 else dp_shard).check(config)
+    check_family_supports(config, vocab_size, registry, dims)  # the layout against what the model declares
     try:
         device = resolve_device(config.train.device)
     except ConfigError as exc:  # the config may be meant for another machine

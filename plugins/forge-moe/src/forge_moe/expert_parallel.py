@@ -35,6 +35,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from forge_lm.config import model_options
 from forge_lm.distributed import ModelTransform, TransformContext
 from forge_lm.errors import ConfigError
 from forge_moe.plugin import MoEOptions, check_expert_parallel
@@ -107,7 +108,8 @@ def _moe_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _is_moe(context: TransformContext) -> bool:
-    return isinstance(context.config.model.ffn.options, MoEOptions)
+    ffn = getattr(model_options(context.config), "ffn", None)
+    return ffn is not None and isinstance(ffn.options, MoEOptions)
 
 
 def shard_experts(experts: nn.Module, ep_mesh: Any) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from forge_lm import hookimpl
-from forge_lm.config import ComponentConfig, component
+from forge_lm.config import ComponentConfig, component, model_options
 from forge_lm.errors import ConfigError
 from forge_lm.validators import FieldError, non_negative, one_of, positive
 
@@ -115,11 +115,12 @@ def forge_lm_register_model_transforms(register):
 
 @hookimpl
 def forge_lm_configure(config):
-    ffn = config.model.ffn
-    if isinstance(ffn.options, MoEOptions) and ffn.options.first_moe_layer >= config.model.n_layers:
+    model = model_options(config)
+    ffn = _selected_ffn(config)
+    if ffn is not None and isinstance(ffn.options, MoEOptions) and ffn.options.first_moe_layer >= model.n_layers:
         raise ConfigError(
             f"[model.ffn] first_moe_layer: {ffn.options.first_moe_layer} leaves no MoE layer in a model of "
-            f'{config.model.n_layers} layers; lower it, or use name = "swiglu" for a dense model.'
+            f'{model.n_layers} layers; lower it, or use name = "swiglu" for a dense model.'
         )
     check_router(config)
     check_expert_parallel(config)
@@ -132,8 +133,8 @@ def check_router(config: Any) -> None:
     token: the layer's output carries no gradient to the router, so only a router loss can
     train it (a z-loss only pulls the logits towards 0, so it does not count).
     """
-    ffn = config.model.ffn
-    if not isinstance(ffn.options, MoEOptions) or ffn.options.top_k != 1:
+    ffn = _selected_ffn(config)
+    if ffn is None or not isinstance(ffn.options, MoEOptions) or ffn.options.top_k != 1:
         return
     router = ffn.options.router
     if isinstance(router.options, SoftmaxTopKOptions) and router.options.renormalize:
@@ -158,17 +159,23 @@ def check_expert_parallel(config: Any) -> None:
     ep = config.distributed.ep
     if ep == 1:
         return
-    ffn = config.model.ffn
-    if not isinstance(ffn.options, MoEOptions):
+    ffn = _selected_ffn(config)
+    if ffn is None or not isinstance(ffn.options, MoEOptions):
+        chosen = f"[model.ffn] name = '{ffn.name}'" if ffn is not None else f"[model] name = '{config.model.name}'"
         raise ConfigError(
-            f"[distributed] ep = {ep} splits the experts of forge-moe's MoE layers, but [model.ffn] name = "
-            f"'{ffn.name}' has none; set ep = 1, or name = 'moe'."
+            f"[distributed] ep = {ep} splits the experts of forge-moe's MoE layers, but {chosen} has none; set "
+            "ep = 1, or use [model.ffn] name = 'moe'."
         )
     if ffn.options.n_experts % ep:
         raise ConfigError(
             f"[model.ffn] n_experts = {ffn.options.n_experts} cannot be split evenly over [distributed] ep = {ep} "
             "expert-parallel ranks; choose an ep that divides n_experts (each rank owns n_experts / ep experts)."
         )
+
+
+def _selected_ffn(config: Any) -> Any:
+    """``[model.ffn]`` of the run's model family, or None for a family without one."""
+    return getattr(model_options(config), "ffn", None)
 
 
 def _built_moe_layers() -> Any:
@@ -196,6 +203,10 @@ def forge_lm_step_skipped(context):
 def forge_lm_hf_export(model, config):
     layer = _built_moe_layers()
     if layer is None or not any(isinstance(m, layer.MoELayer) for m in model.modules()):
+        return None
+    from forge_lm.model import Transformer
+
+    if type(model) is not Transformer:  # another family's model (a subclass included) converts itself
         return None
     from forge_moe import hf
 

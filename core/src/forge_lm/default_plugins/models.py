@@ -1,0 +1,47 @@
+"""Built-in model family and attention layers.
+
+``llama``: the decoder-only transformer of :mod:`forge_lm.model.transformer`, its options the
+``[model]`` section (:class:`forge_lm.config.LlamaOptions`). ``gqa``: grouped-query attention
+with RoPE (multi-head when ``n_kv_heads = n_heads``); ``sliding_window``: the same layer, each
+query seeing only the ``window`` most recent keys (Mistral, Gemma's local layers).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from forge_lm.config import LlamaOptions
+from forge_lm.hookspecs import hookimpl
+from forge_lm.validators import positive
+
+FORGE_LM_PLUGIN_API = ">=1,<2"
+
+
+@attrs.define
+class SlidingWindowOptions:
+    window: int = attrs.field(default=4096, validator=positive)  # keys a query sees, itself included
+
+
+@hookimpl
+def forge_lm_register_models(register):
+    register(
+        "llama",
+        "forge_lm.model.transformer:build_llama",
+        config=LlamaOptions,
+        description="Llama-style decoder: RoPE, pluggable attention and feed-forward, RMSNorm, tied or untied head",
+    )
+
+
+@hookimpl
+def forge_lm_register_attentions(register):
+    register(
+        "gqa",
+        "forge_lm.model.attention:build_gqa",
+        description="Grouped-query causal self-attention with RoPE and optional QK-norm (SDPA, flex or eager)",
+    )
+    register(
+        "sliding_window",
+        "forge_lm.model.attention:build_sliding_window",
+        config=SlidingWindowOptions,
+        description="Grouped-query attention over the `window` most recent keys only (Mistral)",
+    )
