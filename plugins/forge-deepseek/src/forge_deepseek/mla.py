@@ -162,3 +162,12 @@ def cache_latent(
     first, second = kv_cache.update(layer, first, second)
     row = torch.cat((first, second), dim=-1)[:, 0, :, :width]  # [B, S, rank + rope]
     return row[..., :rank], row[..., rank:]
+
+
+def build_mla(options: object, spec: object, layer_index: int) -> MultiHeadLatentAttention:
+    """Factory of the ``mla`` attention component (options: ``forge_deepseek.plugin.MLAOptions``;
+    ``spec`` a :class:`forge_lm.components.AttentionSpec`; ``n_kv_heads`` and ``qk_norm`` do not
+    apply: every head has its own keys and values, expanded from one shared latent)."""
+    return MultiHeadLatentAttention(
+        spec.dim, spec.n_heads, layer_index, norm_eps=spec.norm_eps, **options.sizes(spec.head_dim)
+    )
