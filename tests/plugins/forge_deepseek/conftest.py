@@ -3,6 +3,9 @@ reference), and one torch thread for the tiny models."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -53,3 +56,21 @@ def tiny_hf_config(**fields: Any) -> Any:
     config = DeepseekV3Config(**{**defaults, **fields})
     config._attn_implementation = "eager"
     return config
+
+
+@pytest.fixture(scope="session")
+def deepseek_manager():
+    """The built-ins, forge-moe and forge-deepseek only, whatever else is installed."""
+    from forge_lm.plugins import PluginManager, PluginSettings
+
+    return PluginManager(PluginSettings(allow=("moe", "deepseek")))
+
+
+def forge_cli_run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """``forge ARGS`` in a fresh interpreter, with one torch thread (tiny models) and no
+    ``FORGE_LM_*`` settings from the environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORGE_LM_")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "forge_lm", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )

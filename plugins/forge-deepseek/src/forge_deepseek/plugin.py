@@ -135,7 +135,7 @@ def _model_module() -> Any:
     return sys.modules.get("forge_deepseek.model")
 
 
-@hookimpl
+@hookimpl(tryfirst=True)  # before forge-moe's, which would take the model for a Mixtral and refuse it
 def forge_lm_hf_export(model, config):
     module = _model_module()
     if module is None or not isinstance(model, module.DeepseekV3):
