@@ -54,6 +54,7 @@ AIDS: dict[str, tuple[str, ...]] = {
     "metrics_backends": ("read_back",),
     "tokenizers": ("lossless",),
     "routers": ("n_experts", "top_k", "normalized"),
+    "attentions": ("spec",),
 }
 """The keyword aids :func:`component_checks` accepts per category, besides ``options`` and ``manager``."""
 
@@ -101,10 +102,12 @@ def checks_for(category: str) -> list[CheckFunction]:
 def _load_check_modules() -> None:
     # Imported here, not at the top, so that each category's checks register themselves once.
     from forge_lm.testing import (  # noqa: F401
+        _attentions,
         _datasets,
         _feed_forwards,
         _losses,
         _metrics,
+        _models,
         _optimizers,
         _options,
         _routers,
