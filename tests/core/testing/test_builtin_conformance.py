@@ -3,6 +3,7 @@
 import tempfile
 from pathlib import Path
 
+from forge_lm.components import AttentionSpec
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.testing import parametrize_with_checks
 from forge_lm.testing._references import cross_entropy_with_z_loss_by_hand
@@ -150,4 +151,39 @@ _FILES = _dataset_files()
     manager=BUILTINS_ONLY,
 )
 def test_builtin_dataset_honours_its_contract(check):
+    check()
+
+
+TINY_LLAMA = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}
+
+
+@parametrize_with_checks(
+    components=[
+        ("models", "llama", {"options": TINY_LLAMA}),
+        (
+            "models",
+            "llama",
+            {
+                "options": {
+                    **TINY_LLAMA,
+                    "tie_embeddings": False,
+                    "qk_norm": True,
+                    "attention_backend": "sdpa",
+                    "attention": {"name": "sliding_window", "window": 4},
+                }
+            },
+        ),
+        ("attentions", "gqa"),
+        ("attentions", "gqa", {"spec": AttentionSpec(32, 4, 4, 8, n_layers=2, max_seq_len=64, rope_theta=500.0)}),
+        (
+            "attentions",
+            "gqa",
+            {"spec": AttentionSpec(32, 4, 1, 8, n_layers=3, max_seq_len=64, rope_theta=1e4, qk_norm=True)},
+        ),
+        ("attentions", "sliding_window", {"options": {"window": 4}}),
+        ("attentions", "sliding_window", {"options": {"window": 1}}),
+    ],
+    manager=BUILTINS_ONLY,
+)
+def test_builtin_model_family_and_attention_honour_their_contracts(check):
     check()
