@@ -88,16 +88,20 @@ class DeepseekV3(Transformer):
     ) -> torch.Tensor:
         if not self._predicts_ahead(kv_cache, positions):
             return super().forward(input_ids, document_ids, kv_cache, positions)
+
         # The MTP modules start from the trunk's last hidden state before its final norm, which
-        # the trunk's forward does not return: taken from the final norm's input on the way.
-        hidden: list[torch.Tensor] = []
-        handle = self.norm.register_forward_pre_hook(lambda _module, args: hidden.append(args[0]))
+        # the trunk's forward does not return: they run on the final norm's input, from a hook.
+        # Running them there, before the head, also orders their backward after the head's:
+        # under FSDP2 the root unit's parameters (head, embedding, MTP modules) are gathered again
+        # by a hook on the logits, which the MTP loss (reported aside) does not pass through.
+        def predict_ahead(_norm: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            report_aux_loss("mtp_loss", self.mtp_loss(args[0], input_ids, document_ids))
+
+        handle = self.norm.register_forward_pre_hook(predict_ahead)
         try:
-            logits = super().forward(input_ids, document_ids)
+            return super().forward(input_ids, document_ids)
         finally:
             handle.remove()
-        report_aux_loss("mtp_loss", self.mtp_loss(hidden[-1], input_ids, document_ids))
-        return logits
 
     def _predicts_ahead(self, kv_cache: KVCache | None, positions: torch.Tensor | None) -> bool:
         """Whether this forward computes the MTP loss: a training step with MTP modules, over
