@@ -132,7 +132,8 @@ def test_family_initialising_with_torch_nn_init_fails_the_seed_check(manager):
     _register(manager, "torch_init", _family(_InitialisesWithTorch))
     message = _failure(manager, "torch_init", "initial_weights_depend_on_the_seed_only")
     assert message.startswith(
-        "model family 'torch_init': build_model twice with seed=1 gives different weights: tok_embeddings.weight (up to "
+        "model family 'torch_init': build_model twice with seed=1 gives different weights: "
+        "tok_embeddings.weight (up to "
     )
     assert message.endswith("never with torch.nn.init or torch's global generator)")
     assert "at tok_embeddings.weight" in _failure(manager, "torch_init", "meta_build_materialises_to_the_plain_build")

@@ -57,8 +57,8 @@ def _build(subject: Subject, spec: AttentionSpec, seed: int = 0, device: str | N
     except (ForgeError, RuntimeError, NotImplementedError) as exc:
         where = " built on the meta device" if device == "meta" else ""
         raise AssertionError(
-            f"{subject.label}{where} cannot be initialised: {exc}; the kit expects init_weights(init) to set every "
-            "parameter and buffer through the Initializer"
+            f"{subject.label}{where} cannot be initialised: {str(exc).rstrip('.')}; the kit expects "
+            "init_weights(init) to set every parameter and buffer through the Initializer"
         ) from exc
     return layer
 

@@ -202,8 +202,8 @@ def check_meta_build_materialises_to_the_plain_build(subject: Subject) -> None:
         materialize(model, torch.device("cpu"), SEEDS[0])
     except (ForgeError, RuntimeError, NotImplementedError) as exc:
         raise AssertionError(
-            f"{subject.label}: a model built on the meta device cannot be materialized: {exc}; the kit expects "
-            "init_weights(init) to set every parameter and buffer through the Initializer"
+            f"{subject.label}: a model built on the meta device cannot be materialized: {str(exc).rstrip('.')}; "
+            "the kit expects init_weights(init) to set every parameter and buffer through the Initializer"
         ) from exc
     differs = _first_difference(model, _build(subject, seed=SEEDS[0]))
     assert differs is None, (
