@@ -3,6 +3,7 @@ with truncated sequences, its place among the losses, and its cost outside train
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -107,3 +108,25 @@ def test_outside_a_training_step_the_mtp_modules_do_not_run(deepseek_manager):
     with collect_aux():
         model.train()(input_ids)
     assert calls == [1]
+
+
+def test_flops_per_token_counts_the_mtp_modules_a_training_step_runs(deepseek_manager):
+    """The conformance kit counts a forward outside a training step, where MTP does not run (it
+    checks the family with ``mtp_depth = 0``); here the count is of a training step's forward and
+    backward, MTP included, against ``flops_per_token``: exact but for the 6 FLOPs per vector
+    parameter that the declared number counts and no matrix product performs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from forge_lm.model.linear import kernel
+
+    ffn = {"name": "moe", "n_experts": 4, "top_k": 2, "n_shared_experts": 1, "expert_kernel": "loop"}
+    model = tiny_model(deepseek_manager, attention_backend="eager", ffn={**ffn, "router": {"name": "sigmoid_topk"}})
+    seq = 32
+    ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(0))
+    with kernel("aten"), FlopCounterMode(display=False) as counter, collect_aux() as collector:
+        (model(ids).square().mean() + collector.losses["mtp_loss"]).backward()
+    counted = counter.get_total_flops() / seq
+    vectors = sum(p.numel() for p in model.parameters() if p.ndim < 2)
+    declared = model.flops_per_token(seq)
+    assert counted < declared <= counted + 6 * vectors
+    assert declared - 6 * vectors == pytest.approx(counted, rel=1e-3)
