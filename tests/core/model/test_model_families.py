@@ -277,3 +277,38 @@ def test_a_family_factory_returning_no_module_is_a_plugin_error_naming_it(manage
     manager.add_plugin(BrokenFamily(), "broken", distribution="forge-broken", version="0.1")
     with pytest.raises(PluginError, match=r"model family 'broken' from plugin 'broken' \(forge-broken 0\.1\)"):
         build_model(ComponentConfig("broken"), VOCAB, manager.registry)
+
+
+def test_a_model_without_a_kv_cache_generates_by_running_the_whole_sequence(bigram_manager):
+    from forge_lm.model.generate import generate
+
+    config = _config(bigram_manager, "--model.name=bigram")
+    model = build_model(config.model, 257, bigram_manager.registry, seed=5).eval()
+    assert not isinstance(model, DecodesWithCache)
+    tokens = [10, 20, 30]
+    expected = list(tokens)
+    with torch.no_grad():
+        for _ in range(6):
+            expected.append(int(model(torch.tensor([expected]))[0, -1].argmax()))
+    assert generate(model, tokens, 6, temperature=0) == expected
+
+
+def test_the_llama_model_generates_through_its_own_cache(manager, monkeypatch):
+    from forge_lm.model.generate import generate
+    from forge_lm.model.transformer import Transformer
+
+    model = build_model(LlamaOptions(**tiny_fields()), VOCAB, manager.registry, seed=5).eval()
+    made = []
+    original = Transformer.new_kv_cache
+
+    def spy(self, max_len=None):
+        made.append(max_len)
+        return original(self, max_len)
+
+    monkeypatch.setattr(Transformer, "new_kv_cache", spy)
+    with torch.no_grad():
+        uncached = [1, 2, 3]
+        for _ in range(5):
+            uncached.append(int(model(torch.tensor([uncached]))[0, -1].argmax()))
+    assert generate(model, [1, 2, 3], 5, temperature=0) == uncached
+    assert made == [8]

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from forge_lm.components import DecodesWithCache
 from forge_lm.errors import ForgeError
-from forge_lm.model.kv_cache import KVCache
 
 
 def sampling_probs(
@@ -55,7 +55,9 @@ def generate(
     """``prompt`` followed by up to ``max_new_tokens`` sampled tokens (the prompt is included).
 
     ``temperature = 0`` is greedy (argmax). Generation stops after ``eos_id`` is produced (it is
-    the last returned token). The prompt is run once, then one token per step against a KV cache.
+    the last returned token). The prompt is run once, then one token per step against the KV cache
+    of the model's ``new_kv_cache`` (:class:`~forge_lm.components.DecodesWithCache`); a model
+    without one runs the whole sequence again for each token (the same tokens, more slowly).
     ``generator`` (on the CPU or the model's device) makes sampling reproducible. The model is put
     in eval mode while sampling and restored afterwards.
     """
@@ -66,12 +68,19 @@ def generate(
     tokens = list(prompt)
     if max_new_tokens == 0:
         return tokens
-    cache = KVCache(len(prompt) + max_new_tokens)
+    cached = isinstance(model, DecodesWithCache)
+    cache = model.new_kv_cache(len(prompt) + max_new_tokens) if cached else None
+
+    def next_logits(new: list[int]) -> torch.Tensor:
+        if cache is None:  # no cache: the whole sequence so far
+            return model(torch.tensor([tokens], device=device))[0, -1]
+        return model(torch.tensor([new], device=device), kv_cache=cache)[0, -1]  # [vocab]
+
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            logits = model(torch.tensor([prompt], device=device), kv_cache=cache)[0, -1]  # [vocab]
+            logits = next_logits(prompt)
             for step in range(max_new_tokens):
                 if temperature == 0:
                     next_id = int(torch.argmax(logits))
@@ -81,7 +90,7 @@ def generate(
                 tokens.append(next_id)
                 if next_id == eos_id or step == max_new_tokens - 1:
                     break
-                logits = model(torch.tensor([[next_id]], device=device), kv_cache=cache)[0, -1]
+                logits = next_logits([next_id])
     finally:
         model.train(was_training)
     return tokens

@@ -153,15 +153,17 @@ def lower_bound(model: Any, vocab_size: int) -> ParameterCount:
     options with the same sizes) has whatever its feed-forward layer: embedding, head (if
     untied), attention projections, norm scales; buffers: the RoPE tables. Python integers, so
     any size is counted without overflow or allocation. A family whose options lack those sizes
-    gets its embedding alone, or nothing."""
+    gets its embedding alone, or nothing. ``model`` may be the ``[model]`` section itself."""
+    if isinstance(model, ComponentConfig):
+        model = model.options
     if not isinstance(model, LlamaOptions):
         dim = getattr(model, "dim", None)
         if not isinstance(dim, int):
             return ParameterCount(0, 0, 0, exact=False)
         return ParameterCount(vocab_size * dim, 4 * vocab_size * dim, 0, exact=False)
-    dim, head_dim = model.dim, model.head_dim
-    kv_dim = model.kv_heads * head_dim
-    per_block = 2 * dim * dim + 2 * dim * kv_dim + 2 * dim  # wq, wo; wk, wv; two norm scales
+    dim, head_dim = model.dim, model.head_size
+    q_dim, kv_dim = model.n_heads * head_dim, model.kv_heads * head_dim
+    per_block = 2 * dim * q_dim + 2 * dim * kv_dim + 2 * dim  # wq, wo; wk, wv; two norm scales
     if model.qk_norm:
         per_block += 2 * head_dim
     embeddings = vocab_size * dim * (1 if model.tie_embeddings else 2)
