@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {  # distribution name -> its directory; the order of PACKAGES in the Makefile
     "forge-lm": REPO / "core",
     "forge-moe": REPO / "plugins" / "forge-moe",
+    "forge-deepseek": REPO / "plugins" / "forge-deepseek",
     "forge-optim-muon": REPO / "plugins" / "forge-optim-muon",
     "forge-wandb": REPO / "plugins" / "forge-wandb",
     "forge-prometheus": REPO / "plugins" / "forge-prometheus",

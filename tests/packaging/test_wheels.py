@@ -46,6 +46,7 @@ BUILTIN_PLUGINS = {
     "core.datasets",
     "core.metrics",
     "core.tokenizers",
+    "core.models",
     "core.feed_forwards",
     "core.transforms",
     "core.hf_llama",
