@@ -215,3 +215,15 @@ def test_the_shared_renaming_refuses_a_name_the_format_does_not_know():
         rename_to_hf({"layers.3.feed_forward.w1.weight": torch.zeros(1)}, no_feed_forward, architecture="Toy")
     with pytest.raises(ForgeError, match=r"weight 'model\.layers\.0\.mlp\.up_proj\.weight' is not part of a Toy"):
         rename_from_hf({"model.layers.0.mlp.up_proj.weight": torch.zeros(1)}, no_feed_forward, architecture="Toy")
+
+
+@pytest.mark.parametrize(("model_type", "package"), [("deepseek_v3", "forge-deepseek"), ("mixtral", "forge-moe")])
+def test_import_hf_names_the_first_party_plugin_that_converts_a_known_model_type(
+    make_model, manager, tmp_path, model_type, package
+):
+    model = make_model()
+    out = export_hf(model, model.config, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    with pytest.raises(ForgeError, match=f"The package {package} converts it: pip install {package}"):
+        import_with_plugins(manager, out)

@@ -728,10 +728,18 @@ def convert_from_hf(manager: Any, hf_dir: str | Path) -> HFImport:
         raise ForgeError(f"'{hf_dir}': {exc}") from None
     config_path = Path(hf_dir) / CONFIG_FILE
     if answer is None:
+        from forge_lm.plugins._hints import KNOWN_HF_MODEL_TYPES
+
+        kind = hf_config.get("model_type")
+        provider = KNOWN_HF_MODEL_TYPES.get(kind) if isinstance(kind, str) else None
+        fix = (
+            f"The package {provider} converts it: pip install {provider} (or enable it if it is installed)"
+            if provider is not None
+            else "Install the plugin that converts that model type"
+        )
         raise ForgeError(
-            f"'{config_path}' has model_type {hf_config.get('model_type')!r}, which no installed "
-            f"plugin imports (asked: {_askers(manager, 'forge_lm_hf_import')}). Install the plugin that converts "
-            "that model type; forge list-plugins shows what is installed."
+            f"'{config_path}' has model_type {kind!r}, which no installed plugin imports (asked: "
+            f"{_askers(manager, 'forge_lm_hf_import')}). {fix}; forge list-plugins shows what is installed."
         )
     plugin, converted = answer
     table, state = _checked_conversion(converted, "forge_lm_hf_import", "([model] table, Forge state dict)", plugin)

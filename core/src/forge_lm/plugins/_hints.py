@@ -21,6 +21,14 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
 }
 
 
+# Hugging Face model types (config.json's model_type) that a first-party plugin converts.
+KNOWN_HF_MODEL_TYPES: dict[str, str] = {
+    "mixtral": "forge-moe",
+    "qwen3_moe": "forge-moe",
+    "deepseek_v3": "forge-deepseek",
+}
+
+
 FIRST_PARTY = (
     "forge-deepseek",
     "forge-float8",
