@@ -183,7 +183,8 @@ def test_family_with_a_parameter_outside_the_graph_fails_the_gradient_check(mana
     _register(manager, "unused", _family(_UnusedParameter))
     message = _failure(manager, "unused", "every_trainable_parameter_gets_a_gradient")
     assert message.startswith(
-        "model family 'unused': 1 of 21 trainable parameters receive no gradient from a loss on the logits: "
+        "model family 'unused': 1 of 21 trainable parameters receive no gradient from a loss on the logits and the "
+        "auxiliary losses: "
         "['unused']; the kit expects every trainable parameter to get one"
     )
 

@@ -11,6 +11,7 @@ reason, on one that does not.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterator
 
 import torch
@@ -213,18 +214,29 @@ def check_meta_build_materialises_to_the_plain_build(subject: Subject) -> None:
     )
 
 
+def _training_loss(subject: Subject, model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A loss on the logits plus every auxiliary loss the model reports, as the training loop
+    computes it (:func:`forge_lm.losses.aux.collect_aux`: an MoE's balance loss, multi-token
+    prediction; modules that train only through one run only inside a collector)."""
+    from forge_lm.losses.aux import collect_aux
+
+    with collect_aux() as reported:
+        logits = _logits(subject, model, ids)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    extra = reported.total()
+    return loss if extra is None else loss + extra
+
+
 @category_check("models")
 def check_every_trainable_parameter_gets_a_gradient(subject: Subject) -> None:
     model = _build(subject).train()
     vocab, seq = _vocab(subject), _seq(model)
-    ids = _tokens(BATCH, seq, vocab)
-    logits = _logits(subject, model, ids)
-    F.cross_entropy(logits.flatten(0, 1), _tokens(BATCH, seq, vocab, seed=4).flatten()).backward()
+    _training_loss(subject, model, _tokens(BATCH, seq, vocab), _tokens(BATCH, seq, vocab, seed=4)).backward()
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     missing = [name for name, p in trainable if p.grad is None]
     assert not missing, (
         f"{subject.label}: {len(missing)} of {len(trainable)} trainable parameters receive no gradient from a loss "
-        f"on the logits: {missing}; the kit expects every trainable parameter to get one"
+        f"on the logits and the auxiliary losses: {missing}; the kit expects every trainable parameter to get one"
     )
     bad = [name for name, p in trainable if not torch.isfinite(p.grad).all()]
     assert not bad, f"{subject.label}: parameters {bad} get non-finite gradients; the kit expects finite ones"
@@ -259,11 +271,12 @@ def check_cached_decoding_matches_the_full_forward(subject: Subject) -> None:
     )
 
 
-def _sdpa_flop_formulas() -> dict:
-    """FLOP formulas for FlopCounterMode's ``custom_mapping``: SDPA's CPU kernel, which torch does
-    not count, and every SDPA backward counted as the two gradient products of each forward
-    product. Torch counts five products there: fused kernels (FlashAttention) recompute the
-    scores to save memory, work the ``12 * n_layers * dim * seq_len`` convention leaves out."""
+def _flop_formulas() -> dict:
+    """FLOP formulas for FlopCounterMode's ``custom_mapping``: grouped matrix products (MoE
+    experts) and SDPA's CPU kernel, which torch does not count, and every SDPA backward counted
+    as the two gradient products of each forward product. Torch counts five products there:
+    fused kernels (FlashAttention) recompute the scores to save memory, work the
+    ``12 * n_layers * dim * seq_len`` convention leaves out."""
     from torch.utils.flop_counter import sdpa_flop_count
 
     aten = torch.ops.aten
@@ -274,7 +287,14 @@ def _sdpa_flop_formulas() -> dict:
     def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
         return 2 * sdpa_flop_count(query, key, value)
 
+    def grouped(a, b, *args, out_shape=None, **kwargs):
+        if len(a) == 2 and len(b) == 2:  # [K, tokens] x [tokens, N], one [K, N] per group of tokens
+            return 2 * a[0] * a[1] * b[1]
+        return 2 * math.prod(out_shape) * a[-1]
+
     formulas = {aten._scaled_dot_product_flash_attention_for_cpu: forward}
+    if hasattr(aten, "_grouped_mm"):
+        formulas[aten._grouped_mm] = grouped
     for kernel in ("flash_attention", "efficient_attention", "cudnn_attention", "flash_attention_for_cpu"):
         op = getattr(aten, f"_scaled_dot_product_{kernel}_backward", None)
         if op is not None:  # every kernel this torch build has
@@ -284,9 +304,10 @@ def _sdpa_flop_formulas() -> dict:
 
 @category_check("models")
 def check_flops_per_token_matches_the_counted_matmuls(subject: Subject) -> None:
-    """``flops_per_token(T)`` against the products torch counts in a forward and backward of one
-    sequence of ``T`` tokens (``torch.utils.flop_counter``; Forge's linear layers run on aten's
-    kernels while counting, since torch does not count their oneDNN path).
+    """``flops_per_token(T)`` against the products torch counts in a training forward (auxiliary
+    losses included) and backward of one sequence of ``T`` tokens (``torch.utils.flop_counter``;
+    Forge's linear layers run on aten's kernels while counting, since torch does not count their
+    oneDNN path; see :func:`_flop_formulas` for the products the kit counts itself).
 
     The convention is PaLM's: ``6 * N + 12 * n_layers * dim * T``, the scores and the weighted
     sum over the whole ``T x T`` square (causal masking's halving is not subtracted), which is
@@ -306,8 +327,9 @@ def check_flops_per_token_matches_the_counted_matmuls(subject: Subject) -> None:
         skip_check(f"{subject.label} has no flops_per_token(): MFU counts 6 * its active parameters")
     seq = _seq(model, FLOPS_SEQ)
     ids = _tokens(1, seq, _vocab(subject))
-    with kernel("aten"), FlopCounterMode(display=False, custom_mapping=_sdpa_flop_formulas()) as counter:
-        _logits(subject, model, ids).square().mean().backward()
+    targets = _tokens(1, seq, _vocab(subject), seed=4)
+    with kernel("aten"), FlopCounterMode(display=False, custom_mapping=_flop_formulas()) as counter:
+        _training_loss(subject, model, ids, targets).backward()
     counted = counter.get_total_flops() / seq
     vectors = sum(p.numel() for m in model.modules() if not isinstance(m, nn.Embedding)
                   for p in m.parameters(recurse=False) if p.ndim < 2)  # fmt: skip
