@@ -37,6 +37,26 @@ expected (the pass mark) and what it measured.
   a loss on the weights reaches the router's parameters, and every trainable parameter gets a
   finite gradient from the weights and aux losses; the same input is routed the same way (eval
   mode).
+- model families, built by ``forge_lm.model.build_model`` from the options table (the family's
+  defaults when none is given; pass ``options`` to shrink it) on a 61-token vocabulary, on the
+  CPU in fp32: logits ``[batch, seq, vocab]``, finite; changing the token at position ``t``
+  changes no logit before ``t`` and some at or after it; in eval mode two forwards are
+  identical; with ``document_ids`` (when ``forward`` takes them) each packed document gets the
+  logits it gets alone; ``seed`` alone decides the weights, and a model built on the meta device
+  and materialized equals the plain build bitwise (values set in the constructor do not
+  survive); a loss on the logits plus the reported auxiliary losses reaches every trainable
+  parameter; where declared, cached decoding (prefill, then token by token) matches the full
+  forward within 1e-5, and ``flops_per_token`` is within 1% of the products torch counts in a
+  forward and backward (attention's included, not halved for causality; plus 6 per vector
+  parameter); ``parameter_roles`` covers every parameter, embeddings ``"embedding"``, the head
+  ``"output"`` (or tied).
+- attention layers, built with a small ``AttentionSpec`` and fed RoPE tables and the masks of
+  ``attention_mask`` in SDPA's and eager attention's forms: shape-preserving and finite; no
+  output depends on a later position, each on its own; a ``WindowedAttention`` query sees
+  exactly its ``window`` most recent keys (and the layer's window is its options'); eval
+  determinism; initialisation through the Initializer (seed-determined, the same from the meta
+  device); gradients to the input and every parameter; decoding with a ``KVCache`` matches the
+  full pass; the capabilities it claims are well formed.
 - every category: the options survive a round trip through a config table.
 - distributions: entry points in the ``forge_lm`` group; plugin modules import no heavy
   dependency; the declared plugin API range admits this core; the plugin loads with status ok.
@@ -63,6 +83,9 @@ component tuple holds them; an aid a category does not use is refused with a ``T
 - routers: ``n_experts`` (default 8) and ``top_k`` (default 2), the sizes the router is built
   with; ``normalized``: whether a token's weights must sum to 1 (default: true unless the
   options have ``renormalize = False``).
+- attentions: ``spec=AttentionSpec(...)``, the sizes the layer is built with (default ``dim=32,
+  n_heads=4, n_kv_heads=2, head_dim=8, n_layers=2, max_seq_len=64``); the kit changes only its
+  ``backend``.
 """
 
 from forge_lm.testing._kit import Check, check_component, component_checks, parametrize_with_checks

@@ -129,7 +129,8 @@ def component_checks(
     ``options`` is the component's config table for the checks (as in a TOML section).
     ``extras`` are category-specific aids, listed per category in :mod:`forge_lm.testing`
     (``reference`` for losses, ``read_back`` for metrics backends, ``context`` for datasets,
-    ``lossless`` for tokenizers, ``n_experts``, ``top_k`` and ``normalized`` for routers).
+    ``lossless`` for tokenizers, ``n_experts``, ``top_k`` and ``normalized`` for routers,
+    ``spec`` for attention layers).
     An aid the category does not use is refused, so a misspelt one is not silently ignored.
     """
     unknown = sorted(set(extras) - set(AIDS.get(category, ())))
