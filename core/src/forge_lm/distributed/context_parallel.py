@@ -97,11 +97,11 @@ class _AllGather(torch.autograd.Function):
 
 
 def enable_context_parallel(model: torch.nn.Module, context_parallel: ContextParallel) -> None:
-    """Make ``model`` (a :class:`~forge_lm.model.transformer.Transformer`) attend across the
-    group: it then expects this rank's slice of each sequence with its ``positions``."""
-    from forge_lm.model.attention import Attention
-
+    """Make ``model`` (a :class:`~forge_lm.components.ContextParallelModel`, such as Forge's
+    Transformer) attend across the group: it then expects this rank's slice of each sequence
+    with its ``positions``. Every submodule that declares a ``context_parallel`` attribute (the
+    attention layers that gather keys and values) gets the group too."""
     model.context_parallel = context_parallel
     for module in model.modules():
-        if isinstance(module, Attention):
+        if module is not model and hasattr(module, "context_parallel"):
             module.context_parallel = context_parallel

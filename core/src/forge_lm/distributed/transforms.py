@@ -162,7 +162,12 @@ class _Guarded:
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's blocks (``model.layers``, a list or, in a pipeline stage, a dict)."""
+    """The model's blocks: what it declares (:class:`~forge_lm.components.ShardedByBlocks`), else
+    ``model.layers`` (a list or, in a pipeline stage, a dict), else none."""
+    from forge_lm.components import ShardedByBlocks
+
+    if isinstance(model, ShardedByBlocks):
+        return list(model.blocks())
     layers = getattr(model, "layers", None)
     if layers is None:
         return []
