@@ -7,18 +7,15 @@ from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.testing import parametrize_with_checks
 
 MANAGER = PluginManager(PluginSettings(allow=("moe", "deepseek")))
-# mtp_depth = 0: the kit trains from a loss on the logits outside a training step, where the MTP
-# modules neither run nor get a gradient (test_mtp.py checks them, their gradients and their
-# FLOPs inside one). expert_kernel = "loop": torch's FLOP counter does not count
-# torch._grouped_mm, which "auto" picks for these sizes, so the kit's FLOP check would miss the
-# experts' products.
+# With an MTP module: the kit trains through a collector, so the MTP loss and its gradients are
+# part of what it checks (test_mtp.py checks the loss itself against a reference).
 TINY_FAMILY = {
     "dim": 32,
     "n_layers": 2,
     "n_heads": 4,
     "max_seq_len": 64,
     "n_dense_layers": 1,
-    "mtp_depth": 0,
+    "mtp_depth": 1,
     "attention": {"name": "mla", "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4},
     "ffn": {
         "name": "moe",
