@@ -118,6 +118,12 @@ def forge_lm_configure(config):
     options = config.model.options
     if not isinstance(options, DeepseekV3Options):
         return
+    if options.mtp_depth and config.distributed.pp > 1:
+        raise ConfigError(
+            f"[distributed] pp = {config.distributed.pp} cannot split a deepseek_v3 model with [model] mtp_depth = "
+            f"{options.mtp_depth}: its MTP modules need the embedding (first stage) and the output head (last "
+            "stage) together; set mtp_depth = 0, or pp = 1."
+        )
     moe = _moe_options()
     ffn = options.ffn.options
     if moe is None or not isinstance(ffn, moe):
