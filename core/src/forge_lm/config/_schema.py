@@ -95,6 +95,14 @@ class LlamaOptions:
     n_kv_heads: int | None = attrs.field(
         default=None, validator=positive, metadata=_doc("Key/value heads (grouped-query attention); unset = n_heads.")
     )
+    head_dim: int | None = attrs.field(
+        default=None,
+        validator=positive,
+        metadata=_doc(
+            "Size of each attention head, even (RoPE turns pairs); unset = dim / n_heads. Set, the query heads "
+            "together may be wider or narrower than dim (Qwen3: dim 1024, 16 heads of 128)."
+        ),
+    )
     vocab_size: int | None = attrs.field(
         default=None, validator=positive, metadata=_doc("Vocabulary size; unset = the tokenizer's.")
     )
@@ -129,22 +137,27 @@ class LlamaOptions:
     )
 
     def __attrs_post_init__(self) -> None:
-        if self.dim % self.n_heads:
-            raise FieldError("n_heads", f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise FieldError(
+                "n_heads", f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}), or head_dim set"
+            )
         if self.n_heads % self.kv_heads:
             raise FieldError(
                 "n_kv_heads", f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})"
             )
-        if self.head_dim % 2:
-            raise FieldError("n_heads", f"dim / n_heads = {self.head_dim} must be even for RoPE")
+        if self.head_size % 2:
+            if self.head_dim is not None:
+                raise FieldError("head_dim", f"must be even for RoPE, got {self.head_dim}")
+            raise FieldError("n_heads", f"dim / n_heads = {self.head_size} must be even for RoPE")
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_size(self) -> int:
+        """Each attention head's size: ``head_dim`` if set, else ``dim // n_heads``."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
 
 ModelSection = LlamaOptions  # the name before model families; kept for code that builds one directly

@@ -1,8 +1,9 @@
-"""The core's Hugging Face conversion: its dense model as ``LlamaForCausalLM``, both ways.
+"""The core's Hugging Face conversion: its dense model as ``LlamaForCausalLM``, or with
+QK-norm as ``Qwen3ForCausalLM``, both ways.
 
 Both hooks are ``trylast``: every other plugin is asked first, so a plugin whose components
 make up a model (or that reads a model type) converts it, and this one answers only for the
-core's own dense model and for ``model_type = "llama"``. The conversion code lives in
+core's own dense model and for ``model_type = "llama"`` and ``"qwen3"``. The conversion code lives in
 :mod:`forge_lm.model.hf` and is imported when a hook is called, not when plugins are listed.
 """
 
@@ -15,13 +16,13 @@ FORGE_LM_PLUGIN_API = ">=1,<2"
 
 @hookimpl(trylast=True)
 def forge_lm_hf_export(model, config):
-    from forge_lm.model.hf import llama_export
+    from forge_lm.model.hf import dense_export
 
-    return llama_export(model, config)
+    return dense_export(model, config)
 
 
 @hookimpl(trylast=True)
 def forge_lm_hf_import(hf_config, state):
-    from forge_lm.model.hf import llama_import
+    from forge_lm.model.hf import dense_import
 
-    return llama_import(hf_config, state)
+    return dense_import(hf_config, state)

@@ -66,10 +66,19 @@ class Attention(nn.Module):
     context_parallel: ContextParallel | None = None
 
     def __init__(
-        self, dim: int, n_heads: int, n_kv_heads: int, layer_index: int, qk_norm: bool = False, norm_eps: float = 1e-5
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        layer_index: int,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
+        head_dim: int | None = None,
     ) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        # head_dim: each head's size, dim // n_heads unless given (Qwen3 sets it apart from dim).
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = head_dim if head_dim is not None else dim // n_heads
         self.layer_index = layer_index  # its slot in a KV cache
         self.wq = Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -158,7 +167,15 @@ class SlidingWindowAttention(Attention):
 
 def build_gqa(options: object, spec: AttentionSpec, layer_index: int) -> Attention:
     """The ``gqa`` attention component."""
-    return Attention(spec.dim, spec.n_heads, spec.n_kv_heads, layer_index, qk_norm=spec.qk_norm, norm_eps=spec.norm_eps)
+    return Attention(
+        spec.dim,
+        spec.n_heads,
+        spec.n_kv_heads,
+        layer_index,
+        qk_norm=spec.qk_norm,
+        norm_eps=spec.norm_eps,
+        head_dim=spec.head_dim,
+    )
 
 
 def build_sliding_window(options: object, spec: AttentionSpec, layer_index: int) -> SlidingWindowAttention:
@@ -170,6 +187,7 @@ def build_sliding_window(options: object, spec: AttentionSpec, layer_index: int)
         layer_index,
         qk_norm=spec.qk_norm,
         norm_eps=spec.norm_eps,
+        head_dim=spec.head_dim,
         window=options.window,
     )
 

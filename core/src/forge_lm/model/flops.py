@@ -43,11 +43,12 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 
 def flops_per_token(config: ModelSection, active_params: int, seq_len: int) -> float:
-    """Training FLOPs per token, forward and backward: ``6 * N + 12 * n_layers * dim * seq_len``.
+    """Training FLOPs per token, forward and backward: ``6 * N + 12 * n_layers * d * seq_len``
+    with ``d = n_heads * head_size`` (``dim`` unless ``head_dim`` is set).
 
     ``6 * N``: each active parameter does a multiply-add (2 FLOPs) forward and twice that
     backward. ``12 * L * d * T``: the attention scores and the weighted sum, ``2 * 2 * d * T``
     per layer forward, times 3 with backward (PaLM, appendix B, with ``d = n_heads * head_dim``).
     Causal masking's halving is not subtracted, as in PaLM, so MFU is comparable across papers.
     """
-    return 6.0 * active_params + 12.0 * config.n_layers * config.dim * seq_len
+    return 6.0 * active_params + 12.0 * config.n_layers * config.n_heads * config.head_size * seq_len

@@ -91,14 +91,22 @@ class HFConfigReader:
             return self.positive_number("rope_parameters.rope_theta", value=rope["rope_theta"])
         return self.positive_number("rope_theta", default)
 
-    def decoder_sizes(self) -> dict[str, int]:
+    def decoder_sizes(self, *, explicit_head_dim: bool = False) -> dict[str, Any]:
         """The sizes every decoder of Forge's shape has, checked against each other: ``dim``,
         ``n_layers``, ``n_heads``, ``n_kv_heads``, ``vocab_size``, ``max_seq_len`` and the
-        feed-forward's ``hidden`` (``intermediate_size``)."""
+        feed-forward's ``hidden`` (``intermediate_size``).
+
+        ``explicit_head_dim``: also read ``head_dim`` (Qwen3 sets it apart from ``hidden_size /
+        num_attention_heads``), returned as ``head_dim``: the size where it differs from that
+        quotient, None where it is absent or the same (Forge's ``head_dim`` left unset)."""
         dim = self.positive_int("hidden_size")
         heads = self.positive_int("num_attention_heads")
         kv_heads = self.positive_int("num_key_value_heads", heads)
-        if dim % heads:
+        head_dim = self.positive_int("head_dim", None) if explicit_head_dim else None
+        if head_dim is not None:
+            if head_dim % 2:
+                raise self.refuse("head_dim", f"head_dim is {head_dim}, odd; RoPE needs an even head size")
+        elif dim % heads:
             raise self.refuse(
                 "num_attention_heads", f"hidden_size ({dim}) is not a multiple of num_attention_heads ({heads})"
             )
@@ -107,12 +115,12 @@ class HFConfigReader:
                 "num_key_value_heads",
                 f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})",
             )
-        if (dim // heads) % 2:
+        if head_dim is None and (dim // heads) % 2:
             raise self.refuse(
                 "num_attention_heads",
                 f"hidden_size / num_attention_heads = {dim // heads} is odd; RoPE needs an even head size",
             )
-        return {
+        sizes = {
             "dim": dim,
             "n_layers": self.positive_int("num_hidden_layers"),
             "n_heads": heads,
@@ -121,6 +129,9 @@ class HFConfigReader:
             "max_seq_len": self.positive_int("max_position_embeddings", 2048),
             "hidden": self.positive_int("intermediate_size"),
         }
+        if explicit_head_dim:
+            sizes["head_dim"] = head_dim if head_dim is not None and heads * head_dim != dim else None
+        return sizes
 
 
 def _finite_at_least(value: float, bound: float) -> bool:

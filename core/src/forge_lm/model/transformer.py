@@ -130,12 +130,12 @@ class Transformer(nn.Module):
         """The RoPE tables' width: the head size, or what the attention layers declare
         (:class:`~forge_lm.components.RotaryAttention`); one table serves every layer."""
         dims = {
-            layer.attention.rope_dim if isinstance(layer.attention, RotaryAttention) else self.config.head_dim
+            layer.attention.rope_dim if isinstance(layer.attention, RotaryAttention) else self.config.head_size
             for layer in self.layers
         }
         if len(dims) > 1:
             raise ForgeError(f"the attention layers want RoPE tables of different widths {sorted(dims)}; use one kind.")
-        return dims.pop() if dims else self.config.head_dim
+        return dims.pop() if dims else self.config.head_size
 
     # -- the capabilities the training path asks a model for (forge_lm.components) ----------
 
@@ -427,7 +427,7 @@ def attention_spec(options: LlamaOptions) -> AttentionSpec:
         dim=options.dim,
         n_heads=options.n_heads,
         n_kv_heads=options.kv_heads,
-        head_dim=options.head_dim,
+        head_dim=options.head_size,
         n_layers=options.n_layers,
         max_seq_len=options.max_seq_len,
         rope_theta=options.rope_theta,
