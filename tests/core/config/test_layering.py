@@ -213,7 +213,7 @@ def test_the_file_may_switch_a_component_and_an_override_then_sets_the_new_compo
 
 def test_overriding_n_heads_alone_works_and_kv_heads_follows_it(load):
     model = load(None, "--model.n_heads=8").model
-    assert (model.n_heads, model.n_kv_heads, model.kv_heads, model.head_dim) == (8, None, 8, 32)
+    assert (model.n_heads, model.n_kv_heads, model.kv_heads, model.head_size) == (8, None, 8, 32)
 
 
 def test_a_file_n_heads_without_n_kv_heads_then_an_override_of_n_heads_moves_kv_heads_too(load):

@@ -28,7 +28,7 @@ def reference_logits(model: nn.Module, ids: list[int], documents: list[int] | No
     """
     cfg = model.config
     p = {name: t.detach().double() for name, t in model.state_dict().items()}
-    heads, kv_heads, d_head = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    heads, kv_heads, d_head = cfg.n_heads, cfg.kv_heads, cfg.head_size
     T = len(ids)
 
     def norm(x: torch.Tensor, weight: torch.Tensor, kind: str) -> torch.Tensor:

@@ -13,6 +13,7 @@ properties, after every layer (defaults, file, command line) has been applied.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -138,9 +139,7 @@ class LlamaOptions:
 
     def __attrs_post_init__(self) -> None:
         if self.head_dim is None and self.dim % self.n_heads:
-            raise FieldError(
-                "n_heads", f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}), or head_dim set"
-            )
+            raise FieldError("n_heads", f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.kv_heads:
             raise FieldError(
                 "n_kv_heads", f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})"
@@ -172,10 +171,24 @@ def _device_name(instance: Any, attribute: Any, value: str) -> None:
         raise FieldError(attribute.name, f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
 
 
+def _run_directory(instance: Any, attribute: Any, value: str) -> None:
+    """A path a run may be written into: not empty (an unset shell variable would put the run in
+    the current directory) and not the file system's root."""
+    if not value.strip():
+        raise FieldError(
+            attribute.name, "is empty; name the run directory (an unset shell variable in --train.output_dir=?)"
+        )
+    absolute = os.path.abspath(value)
+    if os.path.dirname(absolute) == absolute:
+        raise FieldError(attribute.name, f"is the file system's root ({value!r}); name a directory for the run")
+
+
 @attrs.frozen
 class TrainSection:
     output_dir: str = attrs.field(
-        default="runs/default", metadata=_doc("The run directory: config, manifest, metrics, checkpoints.")
+        default="runs/default",
+        validator=_run_directory,
+        metadata=_doc("The run directory: config, manifest, metrics, checkpoints (not empty, not '/')."),
     )
     max_steps: int = attrs.field(default=200, validator=positive, metadata=_doc("Optimizer steps to run."))
     seed: int = attrs.field(

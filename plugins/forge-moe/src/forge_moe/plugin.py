@@ -210,13 +210,15 @@ def forge_lm_hf_export(model, config):
         return None
     from forge_moe import hf
 
-    return hf.to_mixtral(model, config)
+    # With QK-norm the model's Hugging Face equivalent is Qwen3-MoE; without it, Mixtral.
+    return hf.to_qwen3_moe(model, config) if getattr(config, "qk_norm", False) else hf.to_mixtral(model, config)
 
 
 @hookimpl
 def forge_lm_hf_import(hf_config, state):
-    if hf_config.get("model_type") != "mixtral":
+    kind = hf_config.get("model_type")
+    if kind not in ("mixtral", "qwen3_moe"):
         return None
     from forge_moe import hf
 
-    return hf.from_mixtral(hf_config, state)
+    return hf.from_qwen3_moe(hf_config, state) if kind == "qwen3_moe" else hf.from_mixtral(hf_config, state)
