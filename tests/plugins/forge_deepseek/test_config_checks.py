@@ -25,8 +25,10 @@ DEBUG = Path(__file__).resolve().parents[3] / "configs" / "deepseek_debug.toml"
         (["--distributed.cp=2"], "cp = 2 needs a model whose forward takes positions"),
         (["--model.n_dense_layers=5"], "n_dense_layers: must be at most n_layers (4), got 5"),
         (["--model.attention.qk_rope_head_dim=7"], "qk_rope_head_dim: must be even"),
+        (["--model.qk_norm=true"], "[model] qk_norm = true has no effect with [model.attention] name = 'mla'"),
+        (["--model.n_kv_heads=2"], "[model] n_kv_heads = 2 has no effect with [model.attention] name = 'mla'"),
     ],
-    ids=["pp_with_mtp", "first_moe_layer", "every_n_layers", "tp", "cp", "n_dense_layers", "odd_rope"],
+    ids=["pp_with_mtp", "first_moe_layer", "every_n_layers", "tp", "cp", "n_dense_layers", "odd_rope", "qk_norm", "kv"],
 )
 def test_config_validate_refuses_what_deepseek_v3_cannot_run(overrides, message, capsys):
     assert main(["config", "validate", str(DEBUG), "--plugins", "moe,deepseek", *overrides]) == 2

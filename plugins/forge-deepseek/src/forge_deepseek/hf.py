@@ -294,15 +294,18 @@ def _split_layers(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
     return globals_, layers
 
 
-def _block_from_hf(hf: dict[str, torch.Tensor], table: dict[str, Any], scale: float) -> dict[str, torch.Tensor]:
-    """One block's weights (HF names inside the layer) under Forge's names inside the block."""
+def _block_from_hf(
+    hf: dict[str, torch.Tensor], table: dict[str, Any], *, interleaved: bool, scale: float
+) -> dict[str, torch.Tensor]:
+    """One block's weights (HF names inside the layer) under Forge's names inside the block;
+    ``scale`` (the routed scaling factor) multiplies the routed experts' down projections."""
     attention = table["attention"]
     out = mla_from_hf(
         hf,
         n_heads=table["n_heads"],
         kv_lora_rank=attention["kv_lora_rank"],
         qk_nope_head_dim=attention["qk_nope_head_dim"],
-        interleaved=table["_interleaved"],
+        interleaved=interleaved,
     )
     by_hf = {hf_name: forge for forge, hf_name in _BLOCK.items() if not forge.startswith("attention.")}
     experts: dict[str, dict[int, torch.Tensor]] = {}
@@ -332,16 +335,17 @@ def from_deepseek_v3(hf_config: dict[str, Any], state: dict[str, torch.Tensor]) 
     mtp_layers = sorted(i for i in layers if i >= n_layers and "eh_proj.weight" in layers[i])
     tied = "lm_head.weight" not in globals_ or read.flag("tie_word_embeddings", False)
     table = model_table(hf_config, tied, len(mtp_layers))
-    table["_interleaved"] = hf_config.get("rope_interleave", True) is not False
-    scale = float(hf_config.get("routed_scaling_factor") or 1.0)
+    block = {
+        "interleaved": hf_config.get("rope_interleave", True) is not False,  # HF's default: interleaved
+        "scale": float(hf_config.get("routed_scaling_factor") or 1.0),
+    }
     out = {forge: globals_[hf] for forge, hf in _GLOBAL.items() if hf in globals_}
     # A tied model's state dict names the one tensor twice.
     out["output.weight"] = out.get("tok_embeddings.weight") if tied else globals_["lm_head.weight"]
     for i in range(n_layers):
-        out |= {f"layers.{i}.{name}": t for name, t in _block_from_hf(layers.get(i, {}), table, scale).items()}
+        out |= {f"layers.{i}.{name}": t for name, t in _block_from_hf(layers.get(i, {}), table, **block).items()}
     for k, i in enumerate(mtp_layers):
         hf = layers[i]
         out |= {f"mtp.{k}.{forge}": hf[name] for forge, name in _MTP.items() if name in hf}
-        out |= {f"mtp.{k}.block.{name}": t for name, t in _block_from_hf(hf, table, scale).items()}
-    del table["_interleaved"]
+        out |= {f"mtp.{k}.block.{name}": t for name, t in _block_from_hf(hf, table, **block).items()}
     return table, out

@@ -38,7 +38,8 @@ from forge_lm.model.norms import RMSNorm
 from forge_lm.model.rope import apply_rope
 
 if TYPE_CHECKING:
-    from forge_lm.components import Initializer
+    from forge_deepseek.plugin import MLAOptions
+    from forge_lm.components import AttentionSpec, Initializer
     from forge_lm.model.kv_cache import KVCache
 
 
@@ -164,7 +165,7 @@ def cache_latent(
     return row[..., :rank], row[..., rank:]
 
 
-def build_mla(options: object, spec: object, layer_index: int) -> MultiHeadLatentAttention:
+def build_mla(options: MLAOptions, spec: AttentionSpec, layer_index: int) -> MultiHeadLatentAttention:
     """Factory of the ``mla`` attention component (options: ``forge_deepseek.plugin.MLAOptions``;
     ``spec`` a :class:`forge_lm.components.AttentionSpec`; ``n_kv_heads`` and ``qk_norm`` do not
     apply: every head has its own keys and values, expanded from one shared latent)."""

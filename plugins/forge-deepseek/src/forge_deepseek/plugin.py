@@ -116,6 +116,7 @@ def _moe_options() -> type | None:
 @hookimpl
 def forge_lm_configure(config):
     options = config.model.options
+    check_mla_sizes(options)
     if not isinstance(options, DeepseekV3Options):
         return
     if options.mtp_depth and config.distributed.pp > 1:
@@ -133,6 +134,25 @@ def forge_lm_configure(config):
             f"[model.ffn] first_moe_layer = {ffn.first_moe_layer}, every_n_layers = {ffn.every_n_layers}: the "
             f"deepseek_v3 family places its MoE layers itself (every block from [model] n_dense_layers = "
             f"{options.n_dense_layers} on); leave both unset, and set n_dense_layers instead."
+        )
+
+
+def check_mla_sizes(options: Any) -> None:
+    """Refuses ``[model]`` keys that MLA would silently ignore, in any family that selects it."""
+    attention = getattr(options, "attention", None)
+    if attention is None or not isinstance(attention.options, MLAOptions):
+        return
+    if getattr(options, "qk_norm", False):
+        raise ConfigError(
+            "[model] qk_norm = true has no effect with [model.attention] name = 'mla', which normalises its "
+            "compressed query and key/value latents (q_norm, kv_norm) instead; set qk_norm = false."
+        )
+    n_kv_heads = getattr(options, "n_kv_heads", None)
+    if n_kv_heads not in (None, options.n_heads):
+        raise ConfigError(
+            f"[model] n_kv_heads = {n_kv_heads} has no effect with [model.attention] name = 'mla': every head "
+            "gets its own keys and values, expanded from one shared latent (kv_lora_rank sets the cache's size); "
+            "leave n_kv_heads unset."
         )
 
 
