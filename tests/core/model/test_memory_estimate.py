@@ -306,7 +306,7 @@ def test_a_billion_blocks_are_counted_from_the_built_ones(manager, monkeypatch):
     built = []
     original = transformer.build_model
     monkeypatch.setattr(
-        transformer, "build_model", lambda section, *a: built.append(section.n_layers) or original(section, *a)
+        transformer, "build_model", lambda section, *a: built.append(section.options.n_layers) or original(section, *a)
     )
     config = config_of(manager, "--model.n_layers=1000000000")
 

@@ -109,10 +109,13 @@ def check_capabilities(model: nn.Module, config: ForgeConfig, dims: Any) -> None
 
 
 def check_family_supports(config: ForgeConfig, vocab_size: int, registry: Any, dims: Any) -> None:
-    """:func:`check_capabilities` on the model built on the meta device (nothing allocated):
-    what ``forge config validate`` runs before any memory is touched."""
+    """:func:`check_capabilities` on the model built on the meta device (nothing allocated; at
+    most :data:`~forge_lm.model.memory.MAX_BUILT_LAYERS` blocks, as the memory estimate builds
+    it): what ``forge config validate`` runs before any memory is touched."""
+    from forge_lm.model.memory import capped_section
     from forge_lm.model.transformer import build_model
 
+    section, _, _ = capped_section(config.model, registry)
     with torch.random.fork_rng(devices=[]):
-        model = build_model(config.model, vocab_size, registry, device="meta")
+        model = build_model(section, vocab_size, registry, device="meta")
     check_capabilities(model, config, dims)

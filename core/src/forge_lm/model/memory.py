@@ -180,12 +180,7 @@ def count_parameters(model: ComponentConfig | ModelSection, vocab_size: int, reg
     component cannot be built on meta)."""
     from forge_lm.model.transformer import build_model
 
-    section = model if isinstance(model, ComponentConfig) else ComponentConfig("llama", model)
-    options = section.options if section.options is not None else _family_defaults(section, registry)
-    total_layers = getattr(options, "n_layers", None)
-    built = min(total_layers, MAX_BUILT_LAYERS) if isinstance(total_layers, int) else None
-    if built is not None and built != total_layers:
-        section = attrs.evolve(section, options=attrs.evolve(options, n_layers=built))
+    section, total_layers, built = capped_section(model, registry)
     # The meta device allocates nothing; fork_rng keeps the run's seeded generator where it was
     # in case a component draws from it while initialising.
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
@@ -213,6 +208,24 @@ def count_parameters(model: ComponentConfig | ModelSection, vocab_size: int, reg
         layer_buffers = min(sum(b.numel() * b.element_size() for b in layer.buffers()) for layer in layers)
         buffers += missing * layer_buffers
     return ParameterCount(numel, nbytes, buffers, exact=not missing)
+
+
+def capped_section(
+    model: ComponentConfig | ModelSection, registry: Any
+) -> tuple[ComponentConfig, int | None, int | None]:
+    """``(section, n_layers, built)``: the ``[model]`` section with at most :data:`MAX_BUILT_LAYERS`
+    blocks (for a family whose options have ``n_layers``), what a meta-device build of a model of
+    any size takes: the layers asked for, and those built (None when the options have no
+    ``n_layers``)."""
+    section = model if isinstance(model, ComponentConfig) else ComponentConfig("llama", model)
+    options = section.options if section.options is not None else _family_defaults(section, registry)
+    total_layers = getattr(options, "n_layers", None)
+    if not isinstance(total_layers, int) or isinstance(total_layers, bool):
+        return section, None, None
+    built = min(total_layers, MAX_BUILT_LAYERS)
+    if built != total_layers:
+        section = attrs.evolve(section, options=attrs.evolve(options, n_layers=built))
+    return section, total_layers, built
 
 
 def _family_defaults(section: ComponentConfig, registry: Any) -> Any:
