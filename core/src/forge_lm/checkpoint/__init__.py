@@ -6,6 +6,7 @@ Layout under the run directory::
     checkpoints/step_<N>/trainer_state.json  everything else, as plain data: step, scheduler,
                                            data position, RNG states, plugin states; written last
     checkpoints/latest                     names the newest complete checkpoint; switched atomically
+    run_id                                 the run's id, which each checkpoint records (beside checkpoints/)
 
 Nothing is unpickled: loading reads tensors (through ``torch.load(weights_only=True)``) and
 JSON, reads DCP's pickled metadata with an unpickler that can reach no callable
@@ -13,15 +14,29 @@ JSON, reads DCP's pickled metadata with an unpickler that can reach no callable
 code to run.
 """
 
-from forge_lm.checkpoint._io import CHECKPOINTS, CheckpointManager, CheckpointSaveError, latest_checkpoint, step_of
+from forge_lm.checkpoint._io import (
+    CHECKPOINTS,
+    RUN_ID_FILE,
+    CheckpointManager,
+    CheckpointPlaceError,
+    CheckpointSaveError,
+    NonFiniteWeights,
+    latest_checkpoint,
+    read_run_id,
+    step_of,
+)
 from forge_lm.checkpoint._safe import DamagedCheckpointError, UnsafeCheckpointError
 
 __all__ = [
     "CHECKPOINTS",
+    "RUN_ID_FILE",
     "CheckpointManager",
+    "CheckpointPlaceError",
     "CheckpointSaveError",
     "DamagedCheckpointError",
+    "NonFiniteWeights",
     "UnsafeCheckpointError",
     "latest_checkpoint",
+    "read_run_id",
     "step_of",
 ]

@@ -15,6 +15,16 @@ what evolves in training (learning rates, step counts) is restored from it: its 
 from the live optimizer, that is from this run's config. A ``checkpoints`` directory that is a
 link is refused outright (loading, saving and pruning).
 Metadata that names code to run stops loading altogether (:class:`UnsafeCheckpointError`).
+
+A checkpoint belongs to its run: it records the run's id (``<run>/run_id``, written when the
+run directory was made), and loading passes over one another run wrote (two runs whose
+``checkpoints/`` is one folder, or a checkpoint copied in); saving never replaces or prunes
+one. Before anything is written, every save checks that the run directory is still the one
+the run started in (not removed or replaced: :class:`CheckpointPlaceError`, which nothing
+retries) and that the weights are finite (:mod:`._finite`: :class:`NonFiniteWeights`; the run's
+``nan_policy`` decides what follows). A step directory without its ``trainer_state.json`` is a
+save that was cut short, not a checkpoint: when there is nothing else, loading moves it aside
+(``step_<N>.incomplete``) and reports no checkpoint, so that the run starts from step 0.
 """
 
 from __future__ import annotations
@@ -37,9 +47,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from forge_lm import events
+from forge_lm.checkpoint._finite import count_nonfinite, device_of, first_nonfinite, sum_over_ranks
 from forge_lm.checkpoint._safe import DamagedCheckpointError, SafeReader, TensorsOnlyPlanner, UnsafeCheckpointError
 from forge_lm.checkpoint._staging import StagingBuffers
 from forge_lm.checkpoint._state import (
@@ -54,11 +65,44 @@ from forge_lm.errors import ForgeError
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+RUN_ID_FILE = "run_id"  # in the run directory: which run its checkpoints belong to
+INCOMPLETE = ".incomplete"  # the suffix of a cut save's directory, moved aside
 _STEP_DIR = re.compile(r"step_([0-9]{1,15})")  # ASCII digits only: str.isdigit() accepts other scripts'
+_RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
 class CheckpointSaveError(ForgeError):
     """A checkpoint could not be written; its partial directory is gone, the previous one intact."""
+
+    retry = True  # whether a later save may succeed (a full disk may be freed)
+
+
+class CheckpointPlaceError(CheckpointSaveError):
+    """The place of a checkpoint is not the run's any more: the run directory was removed or
+    replaced, or another run's checkpoint is in the way. Nothing was written; no retry can help."""
+
+    retry = False
+
+
+class NonFiniteWeights(ForgeError):
+    """The weights to save hold NaN or Inf (on some rank): nothing was written."""
+
+    def __init__(self, message: str, checkpoint: str, reason: str) -> None:
+        super().__init__(message)
+        self.checkpoint, self.reason = checkpoint, reason
+
+
+def read_run_id(run_dir: Path) -> str | None:
+    """The id in ``<run_dir>/run_id``, or None when there is none (a directory made before run
+    ids, a reader's) or it is not one (a link, not a plain file, not 32 hex digits)."""
+    path = Path(run_dir) / RUN_ID_FILE
+    try:
+        if path.is_symlink() or not path.is_file() or path.stat().st_size > 64:
+            return None
+        text = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if _RUN_ID.fullmatch(text) else None
 
 
 def step_of(path: Path) -> int | None:
@@ -73,7 +117,9 @@ class CheckpointManager:
     def __init__(self, run_dir: str | Path, keep_last_n: int = 0, async_save: bool = False) -> None:
         """In a distributed run every rank constructs it (collectively) and calls save and load;
         every rank writes its own shards, and rank 0 alone writes the shared files."""
-        self.root = Path(run_dir) / CHECKPOINTS
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / CHECKPOINTS
+        self.run_id = read_run_id(self.run_dir)  # None: a run made before run ids, or no run
         self.keep_last_n = keep_last_n
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1) if async_save else None
         self._pending: concurrent.futures.Future | None = None
@@ -96,18 +142,70 @@ class CheckpointManager:
         self._check_root()
         started = time.perf_counter()
         model_state, optimizer_state = get_state_dict(model, optimizer)
+        self._check_before_writing(step, model, model_state)
         tensors, skeleton = split({"model": model_state, "optimizer": optimizer_state, "trainer": state}, "state")
         skeleton["rng"] = rng_state()
         skeleton["step"] = step
         json.dumps(skeleton)  # fails now, before anything is written, if something is not plain data
         if distributed():  # pipeline stages hold different parameters: rank 0's file describes them all
             skeleton = _gather_to_rank0(skeleton)
+        if skeleton is not None and self.run_id is not None:
+            skeleton["run_id"] = self.run_id
         if self._executor is None:
             self._write(step, tensors, skeleton, started)
             return
         # The previous background write has finished (wait() above): its buffers can be refilled.
         snapshot = self._staging.stage(tensors)
         self._pending = self._executor.submit(self._write, step, snapshot, skeleton, started)
+
+    def _check_before_writing(self, step: int, model: torch.nn.Module, model_state: dict[str, Any]) -> None:
+        """Raise, on every rank alike and before anything is written, if checkpoint ``step`` must
+        not be written: its place is not the run's (rank 0 looks), or the weights are not finite
+        (each rank counts its own shards on the device). One all-reduce decides both."""
+        name = f"step_{step}"
+        problem = self._place_problem(self.root / name) if rank() == 0 else None
+        device = device_of(model)
+        misplaced, nonfinite = sum_over_ranks(
+            [torch.tensor(float(problem is not None), device=device), count_nonfinite(model_state, device)]
+        )
+        if misplaced:
+            problem = problem or "its place is not the run's (seen by rank 0)"
+            events.record("checkpoint_failed", checkpoint=name, reason=problem)
+            raise CheckpointPlaceError(f"not writing checkpoint {name}: {problem}. Nothing was written there.")
+        if nonfinite:
+            culprit = first_nonfinite(model_state)
+            where = f"'{culprit}' holds" if culprit is not None else "another rank's weights hold"
+            reason = f"the weights are not finite: {where} NaN or Inf"
+            raise NonFiniteWeights(f"not writing checkpoint {name}: {reason}", name, reason)
+
+    def _place_problem(self, path: Path) -> str | None:
+        """Why ``path`` is not a place to write this run's checkpoint, or None (rank 0 asks)."""
+        if self.run_id is not None and read_run_id(self.run_dir) != self.run_id:
+            what = "gone" if not os.path.lexists(self.run_dir / RUN_ID_FILE) else "another run's"
+            return (
+                f"the run directory '{self.run_dir}' was removed or replaced while the run trained (its "
+                f"{RUN_ID_FILE} is {what}); a checkpoint written there would belong to no run"
+            )
+        owner = self._owner(path)
+        if owner is not None and owner != self.run_id:
+            return (
+                f"'{path}' is another run's checkpoint (run id {owner}, this run's is {self.run_id}): two runs "
+                f"share '{self.root}'. Give each run its own train.output_dir"
+            )
+        return None
+
+    @staticmethod
+    def _owner(path: Path) -> str | None:
+        """The run id a complete checkpoint at ``path`` records, or None (none recorded, not a
+        complete checkpoint, unreadable: nothing that stops replacing it)."""
+        state_file = path / TRAINER_STATE
+        try:
+            if path.is_symlink() or state_file.is_symlink() or not state_file.is_file():
+                return None
+            owner = json.loads(state_file.read_bytes()).get("run_id")
+        except (OSError, ValueError, RecursionError, AttributeError):
+            return None
+        return owner if isinstance(owner, str) else None
 
     def wait(self) -> None:
         """Block until a background save has finished (re-raising its error, if any)."""
@@ -166,7 +264,8 @@ class CheckpointManager:
             return
         self._check_root()
         latest = self.latest()
-        complete = [p for p in self.complete() if p != latest]
+        # Another run's checkpoints (a shared folder) are neither counted nor removed.
+        complete = [p for p in self.complete() if p != latest and self._owner(p) in (None, self.run_id)]
         for old in complete[: max(0, len(complete) - (self.keep_last_n - 1))]:
             shutil.rmtree(old, ignore_errors=True)  # complete() lists plain directories only
 
@@ -242,7 +341,9 @@ class CheckpointManager:
         if ignored and rank() == 0:
             print(f"forge: warning: {self.root / LATEST}: {ignored.removeprefix(LATEST + ': ')}", file=sys.stderr)
         passed_over = []
-        for path in from_rank0([only] if only is not None else self.candidates()):
+        candidates = [only] if only is not None else self.candidates()
+        candidates, cut = from_rank0((candidates, [p for p in candidates if _cut_short(p)]))
+        for path in candidates:
             try:
                 state = self._load(path, model, optimizer, restore)
             except UnsafeCheckpointError as exc:
@@ -263,9 +364,28 @@ class CheckpointManager:
                     file=sys.stderr,
                 )
             return state
-        if passed_over:
+        if passed_over and (only is not None or len(cut) < len(passed_over)):
             raise ForgeError("no usable checkpoint in " + str(self.root) + ":\n  " + "\n  ".join(passed_over))
+        if cut and rank() == 0:  # saves cut short, and nothing else: not checkpoints, moved out of the way
+            for path in cut:
+                self._move_aside(path)
+        barrier()
         return None
+
+    def _move_aside(self, path: Path) -> None:
+        aside = path.with_name(path.name + INCOMPLETE)
+        with contextlib.suppress(OSError):
+            _remove(aside)  # an earlier cut save of the same step
+        try:
+            path.rename(aside)
+        except OSError as exc:
+            print(f"forge: warning: could not move '{path}' aside: {_describe(exc)}", file=sys.stderr)
+            return
+        print(
+            f"forge: warning: {path.name} is not a checkpoint: its save was cut short ({TRAINER_STATE} is missing); "
+            f"moved it aside to '{aside}'",
+            file=sys.stderr,
+        )
 
     def survey(self) -> list[tuple[Path, str | None]]:
         """Every step directory, newest first, with why it would be passed over (None when it
@@ -274,7 +394,7 @@ class CheckpointManager:
         found: list[tuple[Path, str | None]] = []
         for path in self.candidates():
             try:
-                read_trainer_state(path, self._check_place(path))
+                self._check_owner(read_trainer_state(path, self._check_place(path)))
                 SafeReader(str(path)).read_metadata()
             except UnsafeCheckpointError as exc:
                 found.append((path, f"UNSAFE: {exc}"))
@@ -283,6 +403,16 @@ class CheckpointManager:
             else:
                 found.append((path, None))
         return found
+
+    def _check_owner(self, saved: dict[str, Any]) -> None:
+        """A checkpoint another run wrote is not this run's to resume (one recording no run id,
+        written before run ids, is anyone's)."""
+        owner = saved.get("run_id")
+        if owner is not None and self.run_id is not None and owner != self.run_id:
+            raise DamagedCheckpointError(
+                f"written by another run (run id {owner}; this run's is {self.run_id}): two runs share "
+                f"'{self.root}', or it was copied in. Move it out of this run"
+            )
 
     def _check_place(self, path: Path) -> int:
         """The step of ``path``, if it is a plain directory of plain files inside ``checkpoints/``."""
@@ -299,6 +429,7 @@ class CheckpointManager:
     def _prepare(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any, Any]:
         """What to read from ``path`` into this rank's model and optimizer; raises if it cannot fit."""
         saved = read_trainer_state(path, self._check_place(path))
+        self._check_owner(saved)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         skeleton = restrict_to_rank(saved, model_state, optimizer_state)
         replaced = self._check_optimizer(skeleton, optimizer, optimizer_state)
@@ -367,6 +498,7 @@ class CheckpointManager:
             dcp.load(wanted, storage_reader=reader, planner=TensorsOnlyPlanner(), no_dist=not distributed())
         full = join(skeleton, wanted)
         set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"])
+        _check_finite(model)
         restore_rng(full["rng"])
         state = {"step": full["step"], **full["trainer"], "path": str(path), "settings_from_config": replaced}
         if restore is not None:
@@ -377,6 +509,22 @@ class CheckpointManager:
             if any_rank(problem is not None):
                 raise problem or ForgeError("its state did not restore on another rank")
         return state
+
+
+def _check_finite(model: torch.nn.Module) -> None:
+    """A loaded checkpoint whose weights are not finite (written before saves checked them) is
+    passed over on every rank alike, like a damaged one."""
+    state = get_model_state_dict(model)
+    (nonfinite,) = sum_over_ranks([count_nonfinite(state, device_of(model))])
+    if nonfinite:
+        culprit = first_nonfinite(state)
+        where = f"'{culprit}' holds" if culprit is not None else "another rank's weights hold"
+        raise DamagedCheckpointError(f"its weights are not finite: {where} NaN or Inf")
+
+
+def _cut_short(path: Path) -> bool:
+    """A step directory whose save never finished: a plain directory without a trainer state."""
+    return path.is_dir() and not path.is_symlink() and not os.path.lexists(path / TRAINER_STATE)
 
 
 def _gather_to_rank0(skeleton: dict[str, Any]) -> dict[str, Any] | None:

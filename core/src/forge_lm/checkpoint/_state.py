@@ -47,6 +47,7 @@ def check_trainer_state(state: Any, step: int) -> None:
     _require(not missing, f"lacks {', '.join(sorted(missing))}")
     _require(_is_int(state["step"]) and state["step"] >= 0, "step is not a non-negative integer")
     _require(state["step"] == step, f"claims step {state['step']} but its directory is step_{step}")
+    _require(isinstance(state.get("run_id", ""), str), "run_id is not a string")
     for part in ("model", "optimizer", "trainer", "rng"):
         _require(isinstance(state[part], dict), f"{part} is not a JSON object")
     _check_tensor_references(state["model"], "model")

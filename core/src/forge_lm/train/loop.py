@@ -76,7 +76,7 @@ from forge_lm.train.evaluate import EvalSets, build_eval_sets
 from forge_lm.train.profiling import StepProfiler
 from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree, check_startup
 from forge_lm.train.run_dir import RunDirectory
-from forge_lm.train.run_state import note_built, restore_run, save_run
+from forge_lm.train.run_state import note_built, restore_run, roll_back, save_run
 from forge_lm.train.saving import SavePolicy
 from forge_lm.train.watchdog import HangWatchdog
 
@@ -321,7 +321,9 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
     checkpoints = CheckpointManager(run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save)
     context = TrainContext(config, run_dir, model, optimizer, parts.scheduler, tokens_per_step=parts.tokens_per_step)
     note_built(context, parts.train_batches)  # the state shapes every save must keep (a resume demands them)
-    saves = SavePolicy(config.checkpoint.max_failed_saves)  # what a failed checkpoint write does
+    # What a failed checkpoint write does, and a save refused because the weights are not finite.
+    rollback = partial(roll_back, checkpoints, context, parts.train_batches, manager)
+    saves = SavePolicy(config.checkpoint.max_failed_saves, config.resilience, rollback)
     status, loss, bad_steps = "failed", float("nan"), 0
     resumed_at = 0  # the step this start resumed from; a finished run resumed trains no step
     started = False  # whether train_start was called (then train_end is)
@@ -500,11 +502,8 @@ def _handle_bad_step(
     # components accumulated from it (a router's load counts) is discarded before going on.
     manager.call("forge_lm_step_skipped", context=context, step=context.step)
     if policy.nan_policy == "rollback":
-        checkpoints.wait()
-        data_position = train_batches.state_dict()  # go on past the bad batch, not back to it
-        if not restore_run(checkpoints, context, train_batches, manager):
+        if roll_back(checkpoints, context, train_batches, manager) is None:  # past the bad batch, not back to it
             raise NonFiniteLoss(f"{what}; resilience.nan_policy = 'rollback' but there is no checkpoint yet.")
-        train_batches.load_state_dict(data_position)
         _warn(f"{what}; rolled back to step {context.step} and skipping the bad batch")
     else:
         _warn(f"{what}; skipped the step (no optimizer or scheduler update)")

@@ -29,6 +29,12 @@ A resumed run must be able to write: before anything is loaded, the directory an
 ``checkpoints/`` are probed and the files in it opened for appending, so a read-only run
 directory is a message naming it and the fix (exit 2), not a traceback halfway through.
 
+A run directory is a Forge run's or a new one: an existing directory that is not empty and
+holds nothing a run writes (:data:`RUN_MARKERS`: a folder with the user's own ``config.toml``)
+is refused before anything is written (exit 2), so that nothing of the user's is overwritten.
+A new run writes its id (``run_id``); every checkpoint records it, and a run refuses another
+run's checkpoints (:mod:`forge_lm.checkpoint`). A run made before run ids gets one when resumed.
+
 Links among the run's own entries (:data:`RUN_ENTRIES`, the metrics backends' files) are refused
 before the directory is locked or anything in it is read or written (exit 2, naming the link):
 Forge never follows one out of the run (:mod:`forge_lm.run_links`). The run directory
@@ -43,10 +49,11 @@ import os
 import shutil
 import sys
 import tempfile
+import uuid
 from pathlib import Path, PurePath
 from typing import Any
 
-from forge_lm.checkpoint._io import CHECKPOINTS, LATEST
+from forge_lm.checkpoint._io import CHECKPOINTS, LATEST, RUN_ID_FILE, read_run_id, step_of
 from forge_lm.config import ForgeConfig, read_toml, structure_config, to_data, to_toml
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.events import EVENTS_FILE
@@ -62,10 +69,23 @@ MANIFEST_FILE = "plugins.json"
 # The batch size may change (with a warning): a run resumed on another number of ranks adjusts
 # the per-rank batch to keep the global batch.
 FIXED_ON_RESUME = ("model.", "tokenizer.", "optimizer.name", "train.seq_len", "train.seed")
-_NOT_APPENDED = (CONFIG_FILE, MANIFEST_FILE, LOCK_FILE)  # files a resumed run does not write to
+_NOT_APPENDED = (CONFIG_FILE, MANIFEST_FILE, LOCK_FILE, RUN_ID_FILE)  # files a resumed run does not write to
 EVAL_DIR = "eval"  # forge eval's results (cli/_eval.py)
 # The run directory's entries that Forge reads or writes: none of them may be a link.
-RUN_ENTRIES = (LOCK_FILE, CONFIG_FILE, MANIFEST_FILE, CHECKPOINTS, EVENTS_FILE, EVAL_DIR, HANG_DIR, PROFILES_DIR)
+RUN_ENTRIES = (
+    LOCK_FILE,
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    RUN_ID_FILE,
+    CHECKPOINTS,
+    EVENTS_FILE,
+    EVAL_DIR,
+    HANG_DIR,
+    PROFILES_DIR,
+)
+# Entries only Forge writes: a non-empty directory holding none of them is not a run (config.toml
+# alone may be the user's own file).
+RUN_MARKERS = (LOCK_FILE, MANIFEST_FILE, RUN_ID_FILE, CHECKPOINTS, EVENTS_FILE)
 LINK_FIX = "Replace the link by a copy of what it points to, or remove it, or choose another train.output_dir."
 
 
@@ -91,6 +111,8 @@ class RunDirectory:
         Returns ``(run_dir, resuming)``."""
         self._created = _make_dirs(self.path)
         refuse_links(self.path, _entries(self.path, config), LINK_FIX)  # before the lock file is opened
+        if self._created is None:
+            _refuse_other_content(self.path)
         lock = RunLock(self.path)
         try:
             lock.acquire()
@@ -126,6 +148,23 @@ class RunDirectory:
         self.close(failed=exc_type is not None)
 
 
+def _refuse_other_content(run_dir: Path) -> None:
+    """Refuse an existing directory that is neither empty nor a Forge run's: a run would write its
+    ``config.toml``, metrics and checkpoints over what is there."""
+    try:
+        names = sorted(entry.name for entry in run_dir.iterdir())
+    except OSError:
+        return  # unreadable: the lock or the resume checks name the problem
+    if not names or any(name in RUN_MARKERS for name in names):
+        return
+    shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise ConfigError(
+        f"[train] output_dir: '{run_dir}' is not empty ({shown}) and holds no Forge run; a run would write its "
+        f"{CONFIG_FILE}, metrics and checkpoints there, over what is there. Choose a new or empty directory as "
+        "train.output_dir."
+    )
+
+
 def _entries(run_dir: Path, config: ForgeConfig) -> list[str]:
     """The entries of ``run_dir`` this run reads or writes: :data:`RUN_ENTRIES`, the records of
     earlier resumes, and the files or folders of the metrics backends (``metrics.jsonl``)."""
@@ -149,7 +188,7 @@ def _prepare(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> tupl
         )
     try:
         checkpointed = checkpoints.is_dir() and any(
-            p.name == LATEST or p.name.startswith("step_") for p in checkpoints.iterdir()
+            p.name == LATEST or step_of(p) is not None for p in checkpoints.iterdir()
         )
     except OSError as exc:
         raise ForgeError(
@@ -165,12 +204,28 @@ def _prepare(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> tupl
                 "or choose another train.output_dir."
             )
         _write_run_files(run_dir, config, manager)
+        _write_run_id(run_dir)
         return False, None
     _check_writable(run_dir)
     if checkpointed:
-        return True, _check_resume(run_dir, config, manager)
+        record = _check_resume(run_dir, config, manager)
+        _write_run_id(run_dir)
+        return True, record
     _restart(run_dir, config, manager)
+    _write_run_id(run_dir)
     return True, None
+
+
+def _write_run_id(run_dir: Path) -> None:
+    """Give the run its id, unless it has one (runs made before run ids get one at a resume)."""
+    if read_run_id(run_dir) is not None:
+        return
+    if _lexists(run_dir / RUN_ID_FILE):
+        _warn(
+            f"'{run_dir / RUN_ID_FILE}' does not hold a run id; it is replaced by a new one (checkpoints recording "
+            "the old id are then another run's)"
+        )
+    _write(run_dir / RUN_ID_FILE, uuid.uuid4().hex + "\n")
 
 
 def _restart(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> None:

@@ -31,10 +31,11 @@ from forge_lm import events
 from forge_lm.checkpoint import CheckpointManager
 from forge_lm.checkpoint._safe import DamagedCheckpointError
 from forge_lm.checkpoint._state import TRAINER_STATE, check_like
-from forge_lm.config import to_data
+from forge_lm.config import structure_config, to_data
 from forge_lm.data.loader import BatchLoader
-from forge_lm.errors import ForgeError
+from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.plugins import PluginHookFailed, PluginManager
+from forge_lm.train.run_dir import CONFIG_FILE, FIXED_ON_RESUME, differences
 
 SHAPE_RULE = "a state_dict must keep the shape it had when the component was built: same keys, same kinds of values"
 PLAIN_RULE = (
@@ -90,9 +91,15 @@ def save_run(checkpoints: CheckpointManager, context: Any, train_batches: BatchL
 
 
 def restore_run(
-    checkpoints: CheckpointManager, context: Any, train_batches: BatchLoader, manager: PluginManager
+    checkpoints: CheckpointManager,
+    context: Any,
+    train_batches: BatchLoader,
+    manager: PluginManager,
+    *,
+    at_start: bool = True,
 ) -> bool:
-    """Load the newest usable checkpoint into the run; False when there is none."""
+    """Load the newest usable checkpoint into the run; False when there is none (which a start
+    reports: it starts from step 0; a rollback's caller says what follows)."""
     note_built(context, train_batches)  # on a resume the components are as built: nothing loaded yet
 
     def restore(state: dict[str, Any]) -> None:
@@ -112,8 +119,10 @@ def restore_run(
 
     state = checkpoints.load(context.model, context.optimizer, restore)
     if state is None:
-        _warn(f"'{context.run_dir}' has no checkpoint yet; starting from step 0")
+        if at_start:
+            _warn(f"'{context.run_dir}' has no checkpoint yet; starting from step 0")
         return False
+    _check_fixed_settings(state, context, manager)
     for skipped in state["passed_over"]:
         _warn(f"passed over checkpoint {skipped}")
         name, _, reason = skipped.partition(": ")
@@ -132,6 +141,20 @@ def restore_run(
     events.set_step(context.step)
     events.record("resume", from_step=context.step, checkpoint=Path(state["path"]).name)
     return True
+
+
+def roll_back(
+    checkpoints: CheckpointManager, context: Any, train_batches: BatchLoader, manager: PluginManager
+) -> int | None:
+    """``nan_policy = "rollback"``: restore the newest checkpoint but keep the data position, so
+    that the run goes on past the data read since (not back to the batch that broke it). The
+    step restored, or None when there is no checkpoint."""
+    checkpoints.wait()
+    data_position = train_batches.state_dict()
+    if not restore_run(checkpoints, context, train_batches, manager, at_start=False):
+        return None
+    train_batches.load_state_dict(data_position)
+    return context.step
 
 
 class _naming:
@@ -239,6 +262,35 @@ def _snapshot(state: Any, depth: int = 0) -> Any:
     if isinstance(state, list | tuple):
         return [_snapshot(value, depth + 1) for value in state]
     return state
+
+
+def _check_fixed_settings(state: dict[str, Any], context: Any, manager: PluginManager) -> None:
+    """The settings a resumed run cannot change, against the config the checkpoint records (the
+    run directory's ``config.toml`` was compared already, but it may have been edited since)."""
+    recorded = state.get("config")
+    if not isinstance(recorded, dict) or not recorded:  # an imported model's step 0 records none
+        return
+    try:  # filled with today's defaults, as the run directory's config.toml is
+        recorded = json.loads(json.dumps(to_data(structure_config(recorded, manager.registry))))
+    except (ConfigError, TypeError, ValueError):
+        return  # a config this version cannot read: the run directory's comparison stands
+    live = json.loads(json.dumps(to_data(context.config)))
+    changed = [key for key in differences(recorded, live) if key.startswith(FIXED_ON_RESUME)]
+    if not changed:
+        return
+    shown = "; ".join(f"{key} = {_at(recorded, key)!r} there, {_at(live, key)!r} here" for key in changed[:3])
+    raise ConfigError(
+        f"[train] output_dir: checkpoint {Path(state['path']).name} of '{context.run_dir}' was written with other "
+        f"settings for {', '.join(changed)} ({shown}); a resumed run cannot change them, and its {CONFIG_FILE} "
+        f"says otherwise than the checkpoint (was it edited?). Put them back in '{context.run_dir / CONFIG_FILE}', "
+        "or choose a new train.output_dir."
+    )
+
+
+def _at(tree: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
 
 
 def _check_optimizer_settings(state: dict[str, Any], config: Any) -> None:
