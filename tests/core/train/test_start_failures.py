@@ -139,7 +139,13 @@ def test_a_directory_that_existed_is_kept_without_a_checkpoint_and_accepts_a_cor
     run_dir.mkdir()
     with pytest.raises(ForgeError, match="outside the model's vocabulary"):
         train(_config(tiny_config, run_dir), manager)
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.toml", "events.jsonl", "metrics.jsonl", "plugins.json"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "config.toml",
+        "events.jsonl",
+        "metrics.jsonl",
+        "plugins.json",
+        "run_id",
+    ]
     result = train(_config(tiny_config, run_dir, "--data.name=synthetic", "--model.vocab_size=512"), manager)
     assert result.steps == 6
     assert tomllib.loads((run_dir / "config.toml").read_text())["model"]["vocab_size"] == 512
