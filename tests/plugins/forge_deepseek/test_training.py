@@ -105,3 +105,16 @@ def test_trained_run_exports_to_transformers_with_the_same_logits(debug_run, dee
     ids = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_full_activation_checkpointing_trains_bitwise_as_without(deepseek_manager, tmp_path):
+    """The blocks' replay in backward recomputes MLA and the MoE layers without reporting their
+    losses twice; the MTP modules (outside the blocks) run once."""
+    logged = {}
+    for mode in ("none", "full"):
+        overrides = [*SMALL, "--train.max_steps=2", f"--train.activation_checkpointing={mode}"]
+        config = load_config(DEBUG, [*overrides, f"--train.output_dir={tmp_path / mode}"], deepseek_manager.registry)
+        run_dir = train(config, deepseek_manager).run_dir
+        logged[mode] = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    for key in ("loss", "grad_norm", "mtp_loss", "moe/layer1/seq_balance_loss", "moe/layer3/load_cv"):
+        assert [r[key] for r in logged["full"]] == [r[key] for r in logged["none"]], key
