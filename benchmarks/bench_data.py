@@ -75,7 +75,7 @@ def build_loader(overrides: list[str], settings: PluginSettings) -> BatchLoader:
     manager = PluginManager(settings)
     config = load_config(None, overrides, manager.registry)
     tokenizer = config.tokenizer.build()
-    vocab_size = config.model.vocab_size or tokenizer.vocab_size
+    vocab_size = config.model.options.vocab_size or tokenizer.vocab_size
     return BatchLoader(build_dataset(config, manager.registry, tokenizer, vocab_size, "train"), config.train.batch_size)
 
 

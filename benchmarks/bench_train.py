@@ -465,7 +465,7 @@ def main() -> None:
     attention_tokens = default.train.batch_size * default.train.seq_len
     print("timing attention: SDPA against eager, by sequence length ...", flush=True)
     attention_rows = attention_kernels(
-        attention_tokens, default.model.n_heads, default.model.dim // default.model.n_heads,
+        attention_tokens, default.model.options.n_heads, default.model.options.dim // default.model.options.n_heads,
         ("fp32", "bf16") if best["bf16"] >= best["fp32"] / 2 else ("fp32",), repeats=2 if args.quick else 5,
     )  # fmt: skip
     theoretical = {
@@ -793,8 +793,8 @@ def main() -> None:
 
 def swiglu_hidden_of(config: Any) -> int:
     """The hidden width of the default feed-forward (SwiGLU) of ``config``'s model."""
-    options = config.model.ffn.options
-    return swiglu_hidden(config.model.dim, options.hidden_multiplier, options.multiple_of)
+    options = config.model.options.ffn.options
+    return swiglu_hidden(config.model.options.dim, options.hidden_multiplier, options.multiple_of)
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def test_imported_hf_llama_gives_the_same_logits_and_exports_back_unchanged(tmp_
     done = forge("import-hf", str(tmp_path / "hf"), f"--train.output_dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr
     model, config, _ = load_for_inference(tmp_path / "run", PluginManager(PluginSettings(autoload=False)))
-    assert (config.model.dim, config.model.n_kv_heads, config.model.vocab_size) == (64, 2, 300)
+    assert (config.model.options.dim, config.model.options.n_kv_heads, config.model.options.vocab_size) == (64, 2, 300)
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)

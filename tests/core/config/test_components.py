@@ -97,11 +97,11 @@ def test_a_component_may_be_selected_by_its_qualified_distribution_name(load):
 
 
 def test_the_feed_forward_layer_defaults_to_swiglu_with_its_default_options(load):
-    assert load().model.ffn == ComponentConfig("swiglu", SwiGLUOptions())
+    assert load().model.options.ffn == ComponentConfig("swiglu", SwiGLUOptions())
 
 
 def test_an_override_of_a_feed_forward_option_reaches_the_swiglu_options(load):
-    ffn = load(None, "--model.ffn.hidden_multiplier=3").model.ffn
+    ffn = load(None, "--model.ffn.hidden_multiplier=3").model.options.ffn
     assert ffn == ComponentConfig("swiglu", SwiGLUOptions(hidden_multiplier=3.0))
     assert type(ffn.options.hidden_multiplier) is float
 
@@ -117,7 +117,7 @@ def test_a_file_model_ffn_table_and_an_override_of_another_model_key_merge(load)
         multiple_of = 128
         """,
         "--model.ffn.hidden_multiplier=4",
-    ).model
+    ).model.options
     assert (model.dim, model.ffn) == (512, ComponentConfig("swiglu", SwiGLUOptions(4.0, 128)))
 
 

@@ -127,6 +127,7 @@ def test_unset_optional_values_are_left_out_of_the_dump(load):
 
 def test_set_optional_values_are_written(load):
     assert to_data(load(None, "--model.n_kv_heads=2", "--model.vocab_size=1000"))["model"] == {
+        "name": "llama",
         "dim": 256,
         "n_layers": 4,
         "n_heads": 4,
@@ -141,12 +142,13 @@ def test_set_optional_values_are_written(load):
         "init_std": 0.02,
         "attention_backend": "auto",
         "ffn": {"name": "swiglu", "hidden_multiplier": 8 / 3, "multiple_of": 64},
+        "attention": {"name": "gqa"},
     }
 
 
 def test_a_dumped_default_config_does_not_pin_kv_heads_so_a_later_n_heads_override_still_moves_it(load, write_toml):
     path = write_toml(to_toml(load()), name="dumped.toml")
-    model = load(path.read_text(encoding="utf-8"), "--model.n_heads=8").model
+    model = load(path.read_text(encoding="utf-8"), "--model.n_heads=8").model.options
     assert (model.n_heads, model.kv_heads) == (8, 8)
 
 

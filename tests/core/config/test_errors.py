@@ -31,9 +31,10 @@ def available(builtins: PluginManager, category: str) -> str:
 
 def test_an_unknown_key_suggests_the_close_one_and_lists_the_valid_keys(error):
     assert error("[model]\nn_head = 8\n") == (
-        "[model] n_head: unknown key. Did you mean 'n_heads'? "
-        "Valid keys: 'attention_backend', 'dim', 'ffn', 'init_std', 'max_seq_len', 'n_heads', 'n_kv_heads', "
-        "'n_layers', 'norm', 'norm_eps', 'qk_norm', 'rope_theta', 'tie_embeddings', 'vocab_size'."
+        "[model] n_head: unknown key for model family 'llama'. Did you mean 'n_heads'? "
+        "Valid keys: 'attention', 'attention_backend', 'dim', 'ffn', 'head_dim', 'init_std', 'max_seq_len', "
+        "'n_heads', 'n_kv_heads', 'n_layers', 'norm', 'norm_eps', 'qk_norm', 'rope_theta', 'tie_embeddings', "
+        "'vocab_size'."
     )
 
 
@@ -165,9 +166,9 @@ def test_train_seq_len_equal_to_max_seq_len_is_valid(load):
 @pytest.mark.parametrize(
     ("toml", "overrides", "expected"),
     [
-        ("model = 3\n", (), "[model] must be a table, got integer 3."),
+        ("model = 3\n", (), "[model] must be a table with a 'name' key, got integer 3."),
         ('train = "x"\n', (), "[train] must be a table, got string 'x'."),
-        (None, ("--model=3",), "[model] must be a table, got '3'."),
+        (None, ("--model=3",), "[model] must be a table with a 'name' key, got '3'."),
         (None, ("--optimizer=adamw",), "[optimizer] must be a table with a 'name' key, got 'adamw'."),
         ('optimizer = "adamw"\n', (), "[optimizer] must be a table with a 'name' key, got string 'adamw'."),
         ("[metrics]\nconsole = 3\n", (), "[metrics.console] must be a table, got integer 3."),

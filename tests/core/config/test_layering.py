@@ -29,13 +29,14 @@ from forge_lm.plugins import NoOptions
 
 # The resolved default feed-forward layer: a schema default leaves its options unset (None).
 SWIGLU = ComponentConfig("swiglu", SwiGLUOptions())
+GQA = ComponentConfig("gqa", NoOptions())
 
 # -- defaults ---------------------------------------------------------------------------------
 
 
 def test_no_file_and_no_overrides_give_every_schema_default(load):
     config = load()
-    assert config.model == ModelSection(ffn=SWIGLU)
+    assert config.model == ComponentConfig("llama", ModelSection(ffn=SWIGLU, attention=GQA))
     assert config.train == TrainSection()
     assert config.tokenizer == ComponentConfig("bytes", NoOptions())
     assert config.data == ComponentConfig("python_stdlib", PythonStdlibOptions())
@@ -66,7 +67,7 @@ def test_a_file_key_replaces_its_default_and_leaves_the_other_keys_of_the_table_
         n_layers = 8
         """
     )
-    assert config.model == ModelSection(n_layers=8, ffn=SWIGLU)
+    assert config.model == ComponentConfig("llama", ModelSection(n_layers=8, ffn=SWIGLU, attention=GQA))
 
 
 def test_a_file_with_options_but_no_name_keeps_the_default_component(load):
@@ -90,7 +91,7 @@ def test_an_override_beats_the_file_value_of_the_same_key(load):
         """,
         "--model.n_layers=12",
     )
-    assert config.model.n_layers == 12
+    assert config.model.options.n_layers == 12
 
 
 def test_an_override_merges_into_the_file_table_key_by_key(load):
@@ -113,7 +114,7 @@ def test_an_override_may_set_a_section_the_file_does_not_have(load):
         """,
         "--train.max_steps=7",
     )
-    assert (config.model.n_layers, config.train.max_steps) == (8, 7)
+    assert (config.model.options.n_layers, config.train.max_steps) == (8, 7)
 
 
 def test_the_last_of_repeated_overrides_of_one_key_wins(load):
@@ -212,7 +213,7 @@ def test_the_file_may_switch_a_component_and_an_override_then_sets_the_new_compo
 
 
 def test_overriding_n_heads_alone_works_and_kv_heads_follows_it(load):
-    model = load(None, "--model.n_heads=8").model
+    model = load(None, "--model.n_heads=8").model.options
     assert (model.n_heads, model.n_kv_heads, model.kv_heads, model.head_size) == (8, None, 8, 32)
 
 
@@ -223,7 +224,7 @@ def test_a_file_n_heads_without_n_kv_heads_then_an_override_of_n_heads_moves_kv_
         n_heads = 8
         """,
         "--model.n_heads=16",
-    ).model
+    ).model.options
     assert (model.n_heads, model.kv_heads) == (16, 16)
 
 
@@ -234,7 +235,7 @@ def test_file_n_kv_heads_2_and_override_n_heads_8_give_grouped_query_attention(l
         n_kv_heads = 2
         """,
         "--model.n_heads=8",
-    ).model
+    ).model.options
     assert (model.n_heads, model.n_kv_heads, model.kv_heads) == (8, 2, 2)
 
 
@@ -246,7 +247,7 @@ def test_an_override_clears_the_files_n_kv_heads_with_none_and_kv_heads_falls_ba
         n_kv_heads = 2
         """,
         "--model.n_kv_heads=none",
-    ).model
+    ).model.options
     assert (model.n_kv_heads, model.kv_heads) == (None, 8)
 
 
@@ -285,7 +286,7 @@ def test_the_cross_section_rule_sees_the_final_value_of_both_sections(load):
         """,
         "--model.max_seq_len=4096",
     )
-    assert (config.train.seq_len, config.model.max_seq_len) == (4096, 4096)
+    assert (config.train.seq_len, config.model.options.max_seq_len) == (4096, 4096)
 
 
 # -- the merge itself -------------------------------------------------------------------------

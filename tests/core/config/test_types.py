@@ -81,11 +81,11 @@ def test_none_or_null_clears_an_optional_field(load, text):
         """,
         f"--model.vocab_size={text}",
     )
-    assert config.model.vocab_size is None
+    assert config.model.options.vocab_size is None
 
 
 def test_an_optional_field_takes_a_value_of_its_inner_type(load):
-    vocab_size = load(None, "--model.vocab_size=50000").model.vocab_size
+    vocab_size = load(None, "--model.vocab_size=50000").model.options.vocab_size
     assert (vocab_size, type(vocab_size)) == (50000, int)
 
 

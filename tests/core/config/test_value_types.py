@@ -226,7 +226,7 @@ def test_a_string_vocab_size_in_a_toml_file_is_a_type_error_not_a_vocabulary_mis
 
 
 def test_the_same_vocab_size_on_the_command_line_is_typed_by_the_field(load):
-    assert load(None, "--model.vocab_size=257").model.vocab_size == 257
+    assert load(None, "--model.vocab_size=257").model.options.vocab_size == 257
 
 
 def test_an_array_of_tables_names_the_table_and_the_key(error):

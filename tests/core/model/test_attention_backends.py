@@ -224,10 +224,8 @@ def test_an_unknown_backend_is_refused_naming_the_choices(manager):
     # The config's choices are the model's (the schema names them without importing torch).
     assert ", ".join(repr(backend) for backend in ATTENTION_BACKENDS) in str(info.value)
     for backend in ATTENTION_BACKENDS:
-        assert (
-            load_config(None, [f"--model.attention_backend={backend}"], manager.registry).model.attention_backend
-            == backend
-        )
+        config = load_config(None, [f"--model.attention_backend={backend}"], manager.registry)
+        assert config.model.options.attention_backend == backend
 
 
 @pytest.fixture

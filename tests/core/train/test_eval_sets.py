@@ -69,7 +69,7 @@ def test_each_named_set_is_logged_in_one_record_per_evaluation_and_matches_the_f
     # The same batches computed apart from the loop: the final checkpoint's model, each set's
     # dataset built again from the run's own config.toml, its first `steps` batches.
     model, saved, tokenizer = load_for_inference(run_dir, manager)
-    vocab_size = saved.model.vocab_size or tokenizer.vocab_size
+    vocab_size = saved.model.options.vocab_size or tokenizer.vocab_size
     for name, chosen in saved.eval.datasets.items():
         data = build_dataset(saved, manager.registry, tokenizer, vocab_size, chosen.split, 0, 1, chosen.dataset)
         batches = iter(BatchLoader(data, saved.train.batch_size))

@@ -45,7 +45,7 @@ def test_softmax_router_with_top_k_1_and_renormalize_is_refused(moe_manager):
 )
 def test_router_settings_that_train_the_router_pass(moe_manager, overrides):
     config = _configure(moe_manager, *overrides)
-    assert config.model.ffn.options.top_k == int(overrides[0].rpartition("=")[2])
+    assert config.model.options.ffn.options.top_k == int(overrides[0].rpartition("=")[2])
 
 
 @pytest.mark.parametrize("z_loss", ["0", "1e-3"])  # a z-loss only shrinks the logits: it does not count
@@ -107,7 +107,7 @@ def test_a_new_router_on_the_command_line_drops_the_files_options_it_does_not_ta
     path.write_text(MOE_FILE, encoding="utf-8")
     notes: list[str] = []
     config = load_config(path, ["--model.ffn.router.name=sigmoid_topk"], moe_manager.registry, notes)
-    router = config.model.ffn.options.router
+    router = config.model.options.ffn.options.router
     assert router.name == "sigmoid_topk"
     assert router.options.z_loss_weight == 0.001  # both routers take it: kept
     assert [note.split(",")[0] for note in notes] == ["[model.ffn.router] balance_loss_weight = 0.02"]
@@ -118,7 +118,7 @@ def test_a_dense_layer_on_the_command_line_drops_the_moe_options_and_the_router(
     path.write_text(MOE_FILE, encoding="utf-8")
     notes: list[str] = []
     config = load_config(path, ["--model.ffn.name=swiglu"], moe_manager.registry, notes)
-    assert config.model.ffn.name == "swiglu"
-    assert config.model.ffn.options.hidden_multiplier == 2.0  # swiglu takes it too
+    assert config.model.options.ffn.name == "swiglu"
+    assert config.model.options.ffn.options.hidden_multiplier == 2.0  # swiglu takes it too
     dropped = sorted(note.split(",")[0] for note in notes)
     assert dropped == ["[model.ffn.router]", "[model.ffn] n_experts = 4", "[model.ffn] top_k = 2"]

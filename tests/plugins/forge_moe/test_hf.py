@@ -84,7 +84,7 @@ def mixtral(tied: bool = False) -> transformers.MixtralForCausalLM:
 
 def forge_model(moe_manager, table: dict, state: dict) -> torch.nn.Module:
     config = structure_config({"model": table, "train": {"seq_len": table["max_seq_len"]}}, moe_manager.registry)
-    model = build_model(config.model, config.model.vocab_size, moe_manager.registry)
+    model = build_model(config.model, config.model.options.vocab_size, moe_manager.registry)
     model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -132,6 +132,13 @@ def test_models_mixtral_cannot_express_are_refused_with_the_reason(ffn, problem,
     model = make_moe_model({**FFN, **ffn})
     with pytest.raises(ForgeError, match=f"no Hugging Face MixtralForCausalLM equivalent: .*{problem}"):
         export_with_plugins(moe_manager, model, model.config, tmp_path / "hf")
+
+
+def test_a_sliding_window_moe_model_is_not_exported_as_full_attention_mixtral(make_moe_model, moe_manager, tmp_path):
+    model = make_moe_model(FFN, attention={"name": "sliding_window", "window": 8})
+    with pytest.raises(ForgeError, match=r"\[model.attention\] name = 'sliding_window'"):
+        export_with_plugins(moe_manager, model, model.config, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
 
 
 def moe_hook(manager, hook: str):

@@ -55,8 +55,8 @@ def moe_run(tmp_path_factory):
 
 def test_moe_debug_config_is_valid_and_round_trips_through_toml(moe_manager, tmp_path):
     config = load_config(MOE_DEBUG, [], moe_manager.registry)
-    assert config.model.ffn.name == "moe"
-    assert config.model.ffn.options.router.name == "softmax_topk"
+    assert config.model.options.ffn.name == "moe"
+    assert config.model.options.ffn.options.router.name == "softmax_topk"
     again = tmp_path / "again.toml"
     again.write_text(to_toml(config))
     assert load_config(again, [], moe_manager.registry) == config
@@ -67,7 +67,7 @@ def test_moe_debug_config_trains_from_the_cli_with_falling_loss_and_routing_metr
     losses = [r["loss"] for r in records]
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5
-    n_layers = load_config(MOE_DEBUG, [], _manager().registry).model.n_layers
+    n_layers = load_config(MOE_DEBUG, [], _manager().registry).model.options.n_layers
     for record in records:
         for layer in range(n_layers):
             for stat in STATS:
@@ -93,7 +93,7 @@ def test_forge_import_hf_reads_a_mixtral_that_exports_back_unchanged(tmp_path):
     done = forge("import-hf", str(tmp_path / "hf"), "--train.seq_len=32", f"--train.output_dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr
     model, config, _ = load_for_inference(tmp_path / "run", _manager())
-    assert (config.model.ffn.name, config.model.ffn.options.n_experts) == ("moe", 4)
+    assert (config.model.options.ffn.name, config.model.options.ffn.options.n_experts) == ("moe", 4)
     ids = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)

@@ -99,7 +99,7 @@ def _checkpoint(run_dir: Path, step: int) -> tuple[torch.nn.Module, torch.optim.
     """The model and Muon optimizer of ``run_dir``'s step-``step`` checkpoint, in this one process."""
     manager = PluginManager()
     config = load_config(run_dir / "config.toml", [], manager.registry)
-    vocab_size = config.model.vocab_size or config.tokenizer.build().vocab_size
+    vocab_size = config.model.options.vocab_size or config.tokenizer.build().vocab_size
     model = build_model(config.model, vocab_size, manager.registry)
     optimizer = config.optimizer.build(model)
     state = CheckpointManager(run_dir).load(model, optimizer, only=run_dir / "checkpoints" / f"step_{step}")

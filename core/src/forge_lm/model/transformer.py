@@ -376,7 +376,11 @@ def build_model(
         else []
     )
     with torch.random.fork_rng(devices=cuda), place if place is not None else contextlib.nullcontext():
-        model = family.build_for_run(options, ModelContext(vocab_size=vocab_size, registry=registry))
+        context = ModelContext(vocab_size=vocab_size, registry=registry)
+        # A plugin's family failing is reported naming it; the core's own raises what torch
+        # raised (an allocation that overflows), which the memory estimate falls back from.
+        build = family.build if family.plugin.builtin else family.build_for_run
+        model = build(options, context)
     _check_model(model, family)
     if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         initialize(model, torch.initial_seed() if seed is None else seed)

@@ -64,6 +64,9 @@ def _mixtral_problems(model: nn.Module, config: Any) -> list[str]:
         problems.append(f"[model] norm = '{config.norm}' (Mixtral uses 'rmsnorm')")
     if config.qk_norm:
         problems.append("[model] qk_norm = true (Mixtral has no QK-norm; its equivalent is Qwen3MoeForCausalLM)")
+    if config.attention.name.rpartition(":")[2] != "gqa":
+        # Mixtral's config has a sliding_window field, but Forge exports full causal attention only.
+        problems.append(f"[model.attention] name = '{config.attention.name}' (the export writes 'gqa' attention)")
     shapes = set()
     for i, layer in enumerate(model.layers):
         ffn = layer.feed_forward

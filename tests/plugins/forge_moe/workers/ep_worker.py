@@ -119,7 +119,7 @@ def run_case(name: str, manager: PluginManager, mesh, rank: int, checkpoint_dir:
         ref_loss = loss_of(reference, slice(0, BATCH))
     ref_loss.backward()
 
-    dropped = torch.tensor([aux.metrics[f"moe/layer{i}/drop_fraction"] for i in range(config.model.n_layers)])
+    dropped = torch.tensor([aux.metrics[f"moe/layer{i}/drop_fraction"] for i in range(config.model.options.n_layers)])
     dist.all_reduce(dropped)
     result = {"applied": applied, "loss": global_loss.item(), "ref_loss": ref_loss.item()}
     result["drop_fraction"] = (dropped / world).tolist()
@@ -156,7 +156,7 @@ def run_case(name: str, manager: PluginManager, mesh, rank: int, checkpoint_dir:
         result["ref_bias"] = [m.router.expert_bias.tolist() for m in ref_layers]
         # What a rank would have done from its own load only: must differ somewhere, or this
         # case could not tell the summed load from the local one.
-        rate = config.model.ffn.options.router.options.bias_update_rate
+        rate = config.model.options.ffn.options.router.options.bias_update_rate
         result["local_only_bias_differs"] = any(
             not torch.equal(rate * torch.sign(load.mean() - load), b) for load, b in zip(local, biases, strict=True)
         )
