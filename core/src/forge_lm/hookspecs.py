@@ -274,15 +274,17 @@ def forge_lm_register_model_transforms(register: Any) -> None:
 
 @hookspec(firstresult=True)
 def forge_lm_hf_export(model: Any, config: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The Hugging Face form of ``model`` (built from the ``[model]`` section ``config``):
-    ``(config.json as a dict, Hugging Face state dict)``, or None if this plugin's components
-    are not what the model is made of.
+    """The Hugging Face form of ``model`` (``config`` is its family's options, the ``[model]``
+    section without ``name``): ``(config.json as a dict, Hugging Face state dict)``, or None if
+    this plugin's family or components are not what the model is made of.
 
     Raise :class:`forge_lm.errors.ForgeError` to refuse a model made of this plugin's
     components that the Hugging Face format cannot express; its message reaches the user
-    unchanged. The core answers last (``trylast``), for its dense SwiGLU model, as
-    ``LlamaForCausalLM``. When no plugin answers, ``forge export-hf`` stops with a message
-    naming the model's feed-forward and the plugins it asked."""
+    unchanged. The core answers last (``trylast``), for a ``llama``-family model (exactly
+    :class:`forge_lm.model.Transformer`, not a subclass) with SwiGLU layers and ``gqa``
+    attention, as ``LlamaForCausalLM`` (``Qwen3ForCausalLM`` with ``qk_norm``). When no plugin
+    answers, ``forge export-hf`` stops with a message naming the model's feed-forward (or its
+    class) and the plugins it asked."""
 
 
 @hookspec(firstresult=True)
@@ -290,12 +292,14 @@ def forge_lm_hf_import(
     hf_config: dict[str, Any], state: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """For a Hugging Face model this plugin understands (by ``hf_config["model_type"]``):
-    ``([model] config table, Forge state dict)``, or None.
+    ``([model] config table, Forge state dict)``, or None. The table may name its family
+    (``name = "deepseek_v3"``); without ``name`` it is the ``llama`` family's.
 
     Raise :class:`forge_lm.errors.ForgeError` to refuse a model of this type that Forge cannot
     express; ``forge import-hf`` shows its message after the model directory. The core answers
-    last (``trylast``), for ``model_type = "llama"``. When no plugin answers, ``forge
-    import-hf`` stops with a message naming the model type and the plugins it asked."""
+    last (``trylast``), for ``model_type`` ``"llama"`` and ``"qwen3"``. When no plugin answers,
+    ``forge import-hf`` stops with a message naming the model type, the plugins it asked and,
+    for a type a first-party plugin converts, that plugin."""
 
 
 # --------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 with the run's tokenizer in Hugging Face form beside it.
 
 The first plugin whose ``forge_lm_hf_export`` converts the model writes it (the core's
-``core.hf_llama`` converts its dense model to Llama, after every other plugin); a model no
+``core.hf_llama`` converts its dense model to Llama or Qwen3, after every other plugin); a model no
 installed plugin converts is refused.
 
 OUT_DIR may be new or an existing directory; one that already holds an export (``config.json``,
@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-HELP = "export a checkpoint and its tokenizer for Hugging Face (Llama, or what a plugin converts it to)"
+HELP = "export a checkpoint and its tokenizer for Hugging Face (Llama, Qwen3, or what a plugin converts it to)"
 TAKES_OVERRIDES = False
 SHARD = re.compile(r"model-.*\.safetensors")  # the shards of a model.safetensors.index.json
 

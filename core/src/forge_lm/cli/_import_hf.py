@@ -1,7 +1,7 @@
 """``forge import-hf HF_DIR --train.output_dir=RUN``: a Hugging Face model as a Forge run.
 
 The first plugin whose ``forge_lm_hf_import`` reads the ``config.json``'s model type (the
-core's ``core.hf_llama`` reads Llama, after every other plugin) gives the model section and
+core's ``core.hf_llama`` reads Llama and Qwen3, after every other plugin) gives the model section and
 the weights; a model type no installed plugin reads is refused. The weights become the run's
 ``checkpoints/step_0``; ``forge generate``, ``forge export-hf`` and the Python API then use it
 like any run. A ``tokenizer.json`` beside the model becomes the run's tokenizer unless the
@@ -15,7 +15,7 @@ weights' names and shapes are compared with the built model's before they are lo
 
 from __future__ import annotations
 
-HELP = "import a Hugging Face model (Llama, or what a plugin reads) into a new run directory"
+HELP = "import a Hugging Face model (Llama, Qwen3, or what a plugin reads) into a new run directory"
 TAKES_OVERRIDES = True
 
 
