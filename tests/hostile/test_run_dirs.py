@@ -393,7 +393,8 @@ def _second_run_refused_then_same_command_works(ws: Workspace, outcome: Outcome)
 
 
 def _corrected_config_starts_it(ws: Workspace, outcome: Outcome) -> None:
-    assert sorted(p.name for p in ws.run.iterdir()) == ["config.toml", "events.jsonl", "metrics.jsonl", "plugins.json"]
+    kept = ["config.toml", "events.jsonl", "metrics.jsonl", "plugins.json", "run_id"]
+    assert sorted(p.name for p in ws.run.iterdir()) == kept
     err = io.StringIO()
     argv = [
         "train",

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import importlib
 
-AREAS = ("test_checkpoints", "test_run_dirs", "test_plugins", "test_configs", "test_interop", "test_disk", "test_integrity")
+AREAS = (
+    "test_checkpoints",
+    "test_run_dirs",
+    "test_plugins",
+    "test_configs",
+    "test_interop",
+    "test_disk",
+    "test_integrity",
+)
 
 
 def test_the_suite_holds_at_least_80_cases_over_every_area():
