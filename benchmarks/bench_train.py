@@ -438,6 +438,9 @@ def main() -> None:
     )
     parser.add_argument("--no-bf16", action="store_true", help="leave out the bf16 autocast rows")
     parser.add_argument("--no-e2e", action="store_true", help="leave out the forge_lm.train.train() row")
+    parser.add_argument(
+        "--no-mla", action="store_true", help="leave out the forge-deepseek latent-attention row (MLA against gqa)"
+    )
     parser.add_argument("--no-plugin-autoload", action="store_true", help="only the core's built-in components")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 2 steps, no warm-up round")
     parser.add_argument("--no-save", action="store_true", help="print only; do not write results/train.json")
@@ -540,6 +543,17 @@ def main() -> None:
         "plain fp32", "no document mask: SDPA is_causal (other semantics: attends across documents)", mkl,
         fp32.step_flops,
     )  # fmt: skip
+    # Multi-head latent attention (forge-deepseek's `mla`) in the same model: dim, heads, layers
+    # and feed-forward unchanged, its own default ranks; against the gqa row above.
+    if not args.no_mla and _has_component(settings, "attentions", "mla"):
+        mla = forge("fp32-mla", ["--train.precision=fp32", "--model.attention.name=mla"])
+        gqa_params = sum(p.numel() for p in fp32.model.parameters()) / 1e6
+        mla_params = sum(p.numel() for p in mla.model.parameters()) / 1e6
+        add(
+            "forge fp32 mla", mla, args.steps, "forge", "fp32", "forge fp32",
+            f"--model.attention.name=mla (forge-deepseek; {mla_params:.2f} M parameters against gqa's "
+            f"{gqa_params:.2f} M)", onednn,
+        )  # fmt: skip
     # Larger models: the same config with a wider model (about 4x and 16x the parameters), so
     # the overhead's growth with size shows. Fewer steps per block keep the rounds short.
     for label, (dim, heads, divisor) in GROWN.items():
@@ -789,6 +803,15 @@ def main() -> None:
         path = save("train", command.strip(), rows, notes, tables=tables, headline=headline)
         print(f"wrote {path}")
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _has_component(settings: PluginSettings, category: str, name: str) -> bool:
+    """Whether an installed (and allowed) plugin registers ``name`` in ``category``."""
+    try:
+        PluginManager(settings).registry.resolve(category, name)
+    except Exception:  # noqa: BLE001 - not installed, disabled or broken: the row is left out
+        return False
+    return True
 
 
 def swiglu_hidden_of(config: Any) -> int:
