@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -167,6 +169,7 @@ def test_exported_model_loads_in_transformers_with_the_same_logits_and_its_mtp_m
         ({"n_group": 2, "topk_group": 1}, "group-limited routing"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "RoPE scaling"),
         ({"norm_topk_prob": False}, "norm_topk_prob"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantized weights"),
     ],
 )
 def test_checkpoints_forge_cannot_express_are_refused_with_the_reason(fields, problem):
@@ -188,3 +191,11 @@ def test_ffn_sizes_round_to_exactly_the_checkpoint_sizes(dim, dense, expert):
     sizes = ffn_table(dim, dense, expert)
     assert swiglu_hidden(dim, sizes["hidden_multiplier"], sizes["multiple_of"]) == dense
     assert swiglu_hidden(dim, sizes["hidden_multiplier"] * sizes["expert_multiplier"], sizes["multiple_of"]) == expert
+
+
+def test_a_block_weight_without_a_forge_equivalent_is_refused_not_dropped():
+    hf = random_hf()
+    state = dict(hf.state_dict())
+    state["model.layers.1.mlp.experts.gate_up_proj_scale_inv"] = torch.ones(4)  # as an fp8 checkpoint's scales
+    with pytest.raises(ForgeError, match=re.escape("'mlp.experts.gate_up_proj_scale_inv' has no Forge equivalent")):
+        from_deepseek_v3(hf.config.to_dict(), state)

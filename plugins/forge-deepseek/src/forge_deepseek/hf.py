@@ -64,6 +64,8 @@ _BLOCK = {
 _MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight"}
 _MTP |= {"norm.weight": "shared_head.norm.weight"}
 _EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # Forge's stacked tensor -> HF's per expert
+# What an MTP layer holds besides a block: its own weights (_MTP) and copies of the shared embedding and head.
+_MTP_ONLY = {*_MTP.values(), "embed_tokens.weight", "shared_head.head.weight"}
 
 
 # -- export -------------------------------------------------------------------------------------
@@ -221,6 +223,9 @@ def ffn_table(dim: int, dense_hidden: int, expert_hidden: int) -> dict[str, Any]
 
 def _refusals(hf_config: dict[str, Any], read: HFConfigReader) -> list[str]:
     problems = []
+    if hf_config.get("quantization_config"):
+        method = hf_config["quantization_config"].get("quant_method", "?")
+        problems.append(f"quantized weights (quantization_config, {method}): dequantize them first")
     rope = read.table("rope_parameters")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default" or hf_config.get("rope_scaling"):
@@ -311,6 +316,8 @@ def _block_from_hf(
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in hf.items():
         expert = re.fullmatch(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+        if name in MLA_NAMES.values() or name in _MTP_ONLY or name.endswith("rotary_emb.inv_freq"):
+            continue  # converted above, or by the caller; RoPE tables follow from the config
         if name in by_hf:
             out[by_hf[name]] = tensor
         elif expert is not None:
@@ -319,6 +326,11 @@ def _block_from_hf(
             experts["gate_proj"], experts["up_proj"] = (dict(enumerate(half)) for half in tensor.chunk(2, dim=1))
         elif name == "mlp.experts.down_proj":
             experts["down_proj"] = dict(enumerate(tensor))
+        else:  # a weight this conversion would drop: refuse rather than import a different model
+            raise ForgeError(
+                f"a block weight '{name}' has no Forge equivalent (quantized checkpoints, with their "
+                "weight_scale_inv tensors, are not read; dequantize them to bf16 or fp32 first)."
+            )
     for forge_kind, hf_kind in _EXPERTS.items():
         if hf_kind in experts:
             by_expert = experts[hf_kind]
