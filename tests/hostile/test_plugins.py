@@ -104,7 +104,10 @@ def trained_with_state_then_failing_load(ws: Workspace) -> None:
 
 
 def blocked_metrics_file(ws: Workspace) -> None:
+    """A run directory Forge made (its empty checkpoints/: not a stranger's folder, which a run
+    refuses) whose metrics.jsonl is a directory."""
     (ws.run / "metrics.jsonl").mkdir(parents=True)
+    (ws.run / "checkpoints").mkdir()
 
 
 # -- checks run after a case --------------------------------------------------------------------
