@@ -235,7 +235,7 @@ CASES = [
         "unknown-key",
         (*VALIDATE, "--model.n_head=8"),
         2,
-        r"forge: error: \[model\] n_head: unknown key\. Did you mean 'n_heads'\?",
+        r"forge: error: \[model\] n_head: unknown key for model family 'llama'\. Did you mean 'n_heads'\?",
     ),
     Case(
         "unknown-component-option",

@@ -33,7 +33,7 @@ EVENT_TYPES: dict[str, str] = {
     "resume": "a checkpoint was restored: from_step, checkpoint",
     "checkpoint_saved": "a checkpoint was written: checkpoint, seconds, bytes",
     "checkpoint_skipped": "a checkpoint was passed over when loading: checkpoint, reason",
-    "checkpoint_failed": "a checkpoint save failed: reason",
+    "checkpoint_failed": "a checkpoint save failed: reason, and action (what the run does about it)",
     "nonfinite_step": "a NaN/Inf loss or gradient: loss, grad_norm, action (skip, rollback, stop)",
     "preemption": "a preemption signal was acted on: signal",
     "evaluation": "an evaluation finished: its metrics",
