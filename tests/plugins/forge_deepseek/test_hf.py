@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 import transformers
-from forge_deepseek.hf import ffn_table, from_deepseek_v3
 
+from forge_deepseek.hf import ffn_table, from_deepseek_v3
 from forge_lm.config import structure_config
 from forge_lm.errors import ForgeError
 from forge_lm.model import build_model

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from forge_deepseek.hf_names import mla_from_hf
 from forge_deepseek.mla import MultiHeadLatentAttention
-
 from forge_lm.model.attention import attention_mask
 from forge_lm.model.kv_cache import KVCache
 from forge_lm.model.rope import rope_tables
