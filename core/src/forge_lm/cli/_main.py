@@ -25,6 +25,7 @@ from forge_lm.plugins import (
     PluginSettings,
     core_version,
 )
+from forge_lm.plugins._calls import noting_ctrl_c
 
 INTERRUPTED_EXIT_CODE = 130  # the shell's convention for a command stopped by Ctrl-C (128 + SIGINT)
 
@@ -128,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stray:
             hint = " Overrides look like --section.key=value." if module.TAKES_OVERRIDES else ""
             raise UsageError(f"unrecognized arguments: {' '.join(stray)}.{hint}")
-        return module.run(args, rest, lambda: plugin_manager(args))
+        with noting_ctrl_c():  # a KeyboardInterrupt without a SIGINT is a plugin's, not the user's
+            return module.run(args, rest, lambda: plugin_manager(args))
     except ForgeError as exc:
         print(f"forge: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -23,6 +23,11 @@ token ids must be integers the embedding holds (labels may also be the ignore in
 dataset (a plugin's too) produced them. An id outside the vocabulary would otherwise be an
 ``IndexError`` deep in the embedding on CPU, or a device-side assert that kills the process on
 CUDA; here it is a :class:`ForgeError` naming the data, the ids and the fix, at the first batch.
+A batch the training loop cannot use as it is (a sample that is not a dict of tensors, ids that
+are not int64, labels or document ids of another shape than the inputs, sequences of another
+length than the run's, document ids that go down along a row) is a :class:`BadBatch`: the
+dataset's fault, which the loop reports naming it (:mod:`forge_lm.train.guards`). All of these
+checks read the batch on the host, before it goes to the device.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import copy
 import functools
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -40,11 +45,16 @@ from forge_lm.components import IGNORE_INDEX
 from forge_lm.errors import ForgeError
 
 
+class BadBatch(ForgeError):
+    """A batch whose samples break the dataset contract (see the module docstring)."""
+
+
 class BatchLoader:
     """Batches of ``batch_size`` samples: a dict of tensors ``[batch_size, *sample_shape]``.
 
     With ``vocab_size``, each batch's token ids are checked (:func:`check_token_ids`);
-    ``source`` names the data in the message. ``read_ahead``: read the next batch in a
+    ``source`` names the data in the message; with ``seq_len``, every sequence must have that
+    length (:func:`check_layout`). ``read_ahead``: read the next batch in a
     background thread (see the module docstring); ``pin_memory``: hand out batches in pinned
     host memory (needs CUDA). :meth:`close` stops the thread."""
 
@@ -57,6 +67,7 @@ class BatchLoader:
         *,
         read_ahead: bool = False,
         pin_memory: bool = False,
+        seq_len: int | None = None,
     ) -> None:
         if batch_size < 1:
             raise ForgeError(f"batch_size must be at least 1, got {batch_size}.")
@@ -66,6 +77,7 @@ class BatchLoader:
         self.source = source
         self.read_ahead = read_ahead
         self.pin_memory = pin_memory
+        self.seq_len = seq_len
         self.batches = 0  # batches handed out since the start of the run (kept in the state)
         self._reader: _ReadAhead | None = None
 
@@ -93,6 +105,7 @@ class BatchLoader:
             "vocab_size": self.vocab_size,
             "source": self.source,
             "pin_memory": self.pin_memory,
+            "seq_len": self.seq_len,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -243,7 +256,14 @@ def _read_batches(
 
 
 def _read_batch(
-    samples: Iterator[Any], number: int, *, batch_size: int, vocab_size: int | None, source: str, pin_memory: bool
+    samples: Iterator[Any],
+    number: int,
+    *,
+    batch_size: int,
+    vocab_size: int | None,
+    source: str,
+    pin_memory: bool,
+    seq_len: int | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Batch ``number`` (counted over the run) from ``samples``, checked and ready to hand out;
     None at the end of a finite dataset (its incomplete last batch is dropped)."""
@@ -254,6 +274,7 @@ def _read_batch(
     collated = collate(batch)
     if vocab_size is not None:
         check_token_ids(collated, vocab_size, f"{source} (batch {number})")
+        check_layout(collated, seq_len, f"batch {number}")
     collated = without_trivial_documents(collated)
     if pin_memory:
         collated = {key: value.pin_memory() for key, value in collated.items()}
@@ -262,6 +283,12 @@ def _read_batch(
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stack each key of ``samples`` along a new first dimension."""
+    for index, sample in enumerate(samples):
+        if not isinstance(sample, Mapping) or not all(isinstance(v, torch.Tensor) for v in sample.values()):
+            got = "None" if sample is None else f"a {type(sample).__name__}"
+            if isinstance(sample, Mapping):
+                got = f"a dict holding {', '.join(sorted({type(v).__name__ for v in sample.values()}))}"
+            raise BadBatch(f"yielded {got} as a sample (sample {index} of a batch); a sample is a dict of tensors")
     keys = samples[0].keys()
     for sample in samples[1:]:
         if sample.keys() != keys:
@@ -269,7 +296,55 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
                 f"the dataset yields samples with different keys ({sorted(keys)} and {sorted(sample.keys())}); "
                 "every sample of a dataset must have the same keys."
             )
+    shapes = {key: {tuple(sample[key].shape) for sample in samples} for key in keys}
+    uneven = {key: sorted(found) for key, found in shapes.items() if len(found) > 1}
+    if uneven:
+        key, found = next(iter(uneven.items()))
+        raise BadBatch(
+            f"yielded samples whose {key} have different shapes ({', '.join(str(list(s)) for s in found[:3])}); "
+            "every sample of a run has the same shape"
+        )
     return {key: torch.stack([sample[key] for sample in samples]) for key in keys}
+
+
+def check_layout(batch: dict[str, torch.Tensor], seq_len: int | None, where: str) -> None:
+    """What the model and the loss need of a training batch beyond its ids' range (a
+    :class:`BadBatch` otherwise): ``input_ids`` and ``labels`` int64 ``[batch, seq_len]``,
+    ``document_ids`` (optional) integers of the same shape, never decreasing along a row (a
+    document is one run of tokens). Shapes and dtypes are metadata; the order of document ids
+    is read on the host, where the batch still is."""
+    inputs = batch.get("input_ids")
+    if inputs is None or "labels" not in batch:
+        raise BadBatch(f"yielded samples without {'input_ids' if inputs is None else 'labels'} ({where})")
+    for key in ("input_ids", "labels"):
+        ids = batch[key]
+        if ids.dtype != torch.int64:
+            raise BadBatch(f"yielded {key} of dtype {_dtype(ids)} ({where}); token ids must be int64 (torch.long)")
+    if inputs.ndim != 2 or (seq_len is not None and inputs.shape[1] != seq_len):
+        per_sample = list(inputs.shape[1:])
+        wanted = f"[{seq_len}] ([train] seq_len)" if seq_len is not None else "[seq_len]"
+        raise BadBatch(f"yielded input_ids of shape {per_sample} per sample ({where}); the run's samples are {wanted}")
+    for key in ("labels", "document_ids"):
+        other = batch.get(key)
+        if other is not None and other.shape != inputs.shape:
+            raise BadBatch(
+                f"yielded {key} of shape {list(other.shape[1:])} per sample beside input_ids of shape "
+                f"{list(inputs.shape[1:])} ({where}); they must have the same shape"
+            )
+    documents = batch.get("document_ids")
+    if documents is None:
+        return
+    if documents.dtype.is_floating_point or documents.dtype.is_complex or documents.dtype == torch.bool:
+        raise BadBatch(f"yielded document_ids of dtype {_dtype(documents)} ({where}); document ids are integers")
+    if documents.device.type == "cpu" and documents.numel() and bool((documents[:, 1:] < documents[:, :-1]).any()):
+        raise BadBatch(
+            f"yielded document_ids that go down along a row ({where}); a document is one run of tokens, its id "
+            "is the number of documents before it in the row (never decreasing)"
+        )
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def without_trivial_documents(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -13,9 +13,13 @@ The policy each failure gets (stop with exit 4, warn, ignore) is documented in
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import os
+import signal
 import sys
-from collections.abc import Callable, Collection, Iterable, Mapping
+import threading
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 from forge_lm.errors import ForgeError
@@ -68,6 +72,70 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+class _CtrlC:
+    """Whether a ``KeyboardInterrupt`` is the user's: noted by :func:`noting_ctrl_c`'s SIGINT handler."""
+
+    installed = False  # a handler notes real SIGINTs (else every KeyboardInterrupt is taken for the user's)
+    received = False
+
+
+@contextlib.contextmanager
+def noting_ctrl_c() -> Iterator[None]:
+    """While inside, a real Ctrl-C (SIGINT) is noted before it raises ``KeyboardInterrupt`` as
+    usual, so that one a plugin raises itself is told apart (:func:`from_the_user`) and reported
+    as that plugin's failure. Installed by ``forge`` for a command's run, in the main thread,
+    only over Python's default handler."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        _CtrlC.received = True
+        raise KeyboardInterrupt
+
+    _CtrlC.installed, _CtrlC.received = True, False
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _CtrlC.installed = False
+
+
+def from_the_user(exc: BaseException) -> bool:
+    """Whether ``exc`` is the user's Ctrl-C: a ``KeyboardInterrupt`` after a real SIGINT, or any
+    ``KeyboardInterrupt`` where nothing notes SIGINTs. Raised by a plugin's code without one, it
+    is that plugin's failure, like any other exception."""
+    return isinstance(exc, KeyboardInterrupt) and (_CtrlC.received or not _CtrlC.installed)
+
+
+def working_directory() -> str:
+    try:
+        return os.getcwd()
+    except OSError:  # removed from under the process
+        return "(a removed directory)"
+
+
+def moved_directory(before: str) -> str | None:
+    """The working directory, if a plugin's code changed it from ``before`` (it is put back):
+    relative paths of the run (its output directory, data files) would point elsewhere."""
+    now = working_directory()
+    if now == before:
+        return None
+    with contextlib.suppress(OSError):  # the old one is gone: nothing to put back
+        os.chdir(before)
+    return now
+
+
+def moved_problem(call: str, before: str, now: str) -> str:
+    return (
+        f"changed the working directory in {call} from '{before}' to '{now}'; a plugin must not (relative paths of "
+        "the run would point elsewhere); it was put back"
+    )
+
+
 def call_each(
     implementations: Iterable[Any],
     plugin_of: Callable[[str], PluginInfo],
@@ -84,25 +152,36 @@ def call_each(
     or None to skip it. Returns ``(plugin, result)`` for every result that is not None, as
     pluggy collects them; ``first`` stops at the first one (``firstresult`` hooks).
 
-    Anything an implementation raises, ``SystemExit`` included (a plugin does not decide
-    that the process ends), becomes a :class:`PluginHookFailed`: raised, or passed to
-    ``on_failure`` and the next implementation called. ``KeyboardInterrupt`` passes through
-    untouched: it is indistinguishable from the user's Ctrl-C; so do the exception types in
-    ``passes`` (``forge_lm_configure`` lets a plugin's ConfigError through).
+    Anything an implementation raises, ``SystemExit`` and a ``KeyboardInterrupt`` that is not
+    the user's Ctrl-C included (:func:`from_the_user`: a plugin decides neither that the process
+    ends nor that the user interrupted it), becomes a :class:`PluginHookFailed`: raised, or
+    passed to ``on_failure`` and the next implementation called; so does an implementation that
+    changes the working directory (put back first). The user's Ctrl-C passes through untouched;
+    so do the exception types in ``passes`` (``forge_lm_configure`` lets a plugin's ConfigError
+    through).
     """
     results: list[tuple[PluginInfo, Any]] = []
     for impl in implementations:
         kwargs = arguments(impl.plugin_name)
         if kwargs is None:
             continue
+        directory = working_directory()
         try:
             result = impl.function(**{name: kwargs[name] for name in impl.argnames})
-        except (KeyboardInterrupt, *passes):
-            raise
+            moved = moved_directory(directory)
         except BaseException as exc:  # any failure of a plugin, SystemExit included, is reported naming it
+            moved_directory(directory)
+            if isinstance(exc, passes) or from_the_user(exc):
+                raise
             failure = PluginHookFailed(plugin_of(impl.plugin_name), hook, f"raised in {hook}: {describe(exc)}")
             if on_failure is None:
                 raise failure from exc
+            on_failure(failure)
+            continue
+        if moved is not None:
+            failure = PluginHookFailed(plugin_of(impl.plugin_name), hook, moved_problem(hook, directory, moved))
+            if on_failure is None:
+                raise failure
             on_failure(failure)
             continue
         if result is not None:

@@ -5,6 +5,7 @@ here names a concrete component."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,7 +15,15 @@ from forge_lm.components import DataContext, EvaluatorContext, MetricsContext
 from forge_lm.config import ComponentConfig, ForgeConfig
 from forge_lm.metrics.guard import GuardedBackend
 from forge_lm.plugins import Registry
-from forge_lm.plugins._calls import PluginHookFailed, checked_metrics, describe
+from forge_lm.plugins._calls import (
+    PluginHookFailed,
+    checked_metrics,
+    describe,
+    from_the_user,
+    moved_directory,
+    moved_problem,
+    working_directory,
+)
 
 
 def build_dataset(
@@ -48,30 +57,40 @@ class CheckedEvaluator:
     untrusted, so only string keys with numbers stay, none may replace a metric logged before
     it, and the rest is left out with one warning (on rank 0, where metrics are logged).
 
-    An ``evaluate`` that raises (``SystemExit`` included; ``KeyboardInterrupt`` passes) is a
-    :class:`PluginHookFailed` naming the evaluator and its plugin: the training loop stops as
-    for a failing ``eval_end`` hook, with the evaluated step checkpointed (exit 4)."""
+    An ``evaluate`` that raises (``SystemExit`` included, and a ``KeyboardInterrupt`` that is not
+    the user's Ctrl-C), changes the gradients of the model's parameters (it ran a backward pass)
+    or the working directory is a :class:`PluginHookFailed` naming the evaluator and its plugin:
+    the training loop stops as for a failing ``eval_end`` hook, with the evaluated step
+    checkpointed (exit 4). A NaN or infinite metric is logged as it is (a metric may be
+    undefined), with one warning."""
 
     def __init__(self, label: str, evaluator: Any, warn_on_this_rank: bool, component: Any = None) -> None:
         self.label, self.evaluator = label, evaluator
         self._warn = warn_on_this_rank
+        self._warn_nan = warn_on_this_rank
         self._component = component  # its registry entry (name and plugin), for a failure's message
 
     def evaluate(self, model: Any, step: int, earlier: Mapping[str, float]) -> dict[str, float]:
+        gradients, directory = _gradient_versions(model), working_directory()
         try:
             returned = self.evaluator.evaluate(model, step)
-        except KeyboardInterrupt:
-            raise
         except BaseException as exc:  # any failure of a plugin's evaluator is reported naming it
-            if self._component is None:
+            moved_directory(directory)
+            if self._component is None or from_the_user(exc):
                 raise
-            name = self._component.name
-            raise PluginHookFailed(
-                self._component.plugin,
-                f"evaluator '{name}'",
-                f"raised in evaluate() of its evaluator '{name}' at step {step}: {describe(exc)}",
-                without=f"remove '{name}' from [eval] evaluators",
-            ) from exc
+            self._fail(
+                f"raised in evaluate() of its evaluator '{self._component.name}' at step {step}: {describe(exc)}", exc
+            )
+        moved = moved_directory(directory)
+        if moved is not None and self._component is not None:
+            self._fail(moved_problem(f"evaluate() of its evaluator '{self._component.name}'", directory, moved))
+        changed = [name for name, version in _gradient_versions(model).items() if gradients.get(name) != version]
+        if changed and self._component is not None:
+            self._fail(
+                f"changed the gradients of {len(changed)} parameters ('{changed[0]}', ...) in evaluate() of its "
+                f"evaluator '{self._component.name}' at step {step}; an evaluator must not run a backward pass "
+                "through the model (evaluate under torch.no_grad())"
+            )
         try:
             good, problems = checked_metrics(returned, {*earlier, "step"})
         except Exception as exc:  # noqa: BLE001 - a returned object may fail in any way when read
@@ -83,7 +102,30 @@ class CheckedEvaluator:
                 "(this warning is not repeated); the run goes on.",
                 file=sys.stderr,
             )
+        undefined = [key for key, value in good.items() if not math.isfinite(value)]
+        if undefined and self._warn_nan:
+            self._warn_nan = False
+            print(
+                f"forge: warning: {self.label} returned {good[undefined[0]]} for '{undefined[0]}' at step {step}; "
+                "logged as it is (this warning is not repeated)",
+                file=sys.stderr,
+            )
         return good
+
+    def _fail(self, problem: str, cause: BaseException | None = None) -> None:
+        name = self._component.name
+        failure = PluginHookFailed(
+            self._component.plugin, f"evaluator '{name}'", problem, without=f"remove '{name}' from [eval] evaluators"
+        )
+        raise failure from cause
+
+
+def _gradient_versions(model: Any) -> dict[str, tuple[int, int] | None]:
+    """Each parameter's gradient, as (identity, version): a backward pass changes one or the other."""
+    return {
+        name: None if param.grad is None else (id(param.grad), param.grad._version)
+        for name, param in model.named_parameters()
+    }
 
 
 def build_evaluators(config: ForgeConfig, context: EvaluatorContext) -> list[CheckedEvaluator]:

@@ -133,9 +133,11 @@ def stop_for_plugin(
     dims: ParallelDims,
     manager: PluginManager,
 ) -> str:
-    """After a plugin's training hook failed: checkpoint the last completed step unless it is
-    saved already or the failure was in saving or loading plugin state (then the checkpoint
-    that exists is the one to trust); say where the run stopped and what is intact. Across
+    """After a plugin's training hook or component failed: checkpoint the last completed step
+    unless it is saved already, the failure was in saving or loading plugin state, or the
+    failure says the state may be half-changed (``failure.unsaved``: an optimizer's or a
+    scheduler's step; then the checkpoint that exists is the one to trust); say where the run
+    stopped and what is intact. Across
     ranks no checkpoint is attempted: the other ranks are not in step with this one."""
     step, note = context.step, ""
     try:
@@ -143,6 +145,9 @@ def stop_for_plugin(
     except OSError:  # the run directory cannot be read: do not write into it either
         saved = {step}
     wanted = failure.hook not in ("forge_lm_save_state", "forge_lm_load_state")
+    unsaved = getattr(failure, "unsaved", None)  # a component that failed half-way through changing the state
+    if unsaved is not None:
+        wanted, note = False, f" and saved nothing ({unsaved})"
     if wanted and step > 0 and step not in saved and not dims.distributed:
         try:
             save_run(checkpoints, context, train_batches, manager)

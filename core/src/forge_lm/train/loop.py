@@ -73,6 +73,7 @@ from forge_lm.train.cpu_memory import keep_freed_memory
 from forge_lm.train.device import autocast_dtype, batch_transfer, resolve_device, seed_everything
 from forge_lm.train.ending import Teardown, collective_timeout, end_run, stop_for_plugin, warn_about_unused_plugins
 from forge_lm.train.evaluate import EvalSets, build_eval_sets
+from forge_lm.train.guards import Guards
 from forge_lm.train.profiling import StepProfiler
 from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree, check_startup
 from forge_lm.train.run_dir import RunDirectory
@@ -131,6 +132,7 @@ class _Parts:
     peak_source: str | None  # where the peak came from (configured, GPU table, theoretical, measured)
     context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in its sequence-splitting group
     cpu_memory: str = _NOT_A_CPU_RUN  # what [train] cpu_keep_freed_memory did (forge_lm.train.cpu_memory)
+    guards: Guards | None = None  # the calls into the components, each failure named (forge_lm.train.guards)
 
     @property
     def pp_group(self) -> Any:
@@ -187,6 +189,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         config.model, vocab_size, registry, seed=config.train.seed, device="meta" if on_meta else device
     )
     check_capabilities(model, config, dims)  # before any transform: a layout the family cannot run is refused
+    guards = Guards(config, registry, model)  # before the transforms: a compiled layer keeps its output check
     flops = model_flops_per_token(model, config.train.seq_len)
     context_parallel = None
     if dims.cp > 1:  # before the transforms: FSDP2 and activation checkpointing wrap the modules it marks
@@ -235,7 +238,12 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         scheduler=config.scheduler.build(optimizer, config.train.max_steps),
         loss_fn=loss_fn,
         train_batches=BatchLoader(
-            train_data, config.train.batch_size, vocab_size, f"the '{config.data.name}' data", **batch_transfer(device)
+            train_data,
+            config.train.batch_size,
+            vocab_size,
+            f"the '{config.data.name}' data",
+            seq_len=config.train.seq_len,
+            **batch_transfer(device),
         ),
         evaluator=evaluator,
         evaluators=evaluators,
@@ -244,6 +252,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         tokens_per_step=config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps * dp_size,
         flops_per_token=flops,
         **_peak(device, dtype, config.metrics.peak_flops, dims.world_size),
+        guards=guards,
         context_parallel=context_parallel,
         cpu_memory=cpu_memory,
     )
@@ -327,6 +336,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
     status, loss, bad_steps = "failed", float("nan"), 0
     resumed_at = 0  # the step this start resumed from; a finished run resumed trains no step
     started = False  # whether train_start was called (then train_end is)
+    # From here to the teardown, a hang anywhere (a plugin's train_start, a backend's start) ends the run with 77.
     try:
         if resuming:  # before any backend starts: plugins get their state back first (a tracker's run id)
             restore_run(checkpoints, context, parts.train_batches, manager)
@@ -335,7 +345,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
             backend.start(to_data(config), manager.manifest())
         started = True
         manager.call("forge_lm_train_start", context=context)
-        batches = _on_device(iter(parts.train_batches), parts.device)
+        batches = parts.guards.dataset.batches(_on_device(iter(parts.train_batches), parts.device), parts.train_batches)
         window_start, window_steps = time.perf_counter(), 0
         memory = MemoryMetrics(parts.device)
         with (
@@ -349,19 +359,23 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
                 status = "interrupted"
                 raise
             while context.step < config.train.max_steps:
+                parts.guards.scheduler.check_rates(optimizer, context.step)  # not negative: no step uphill
                 lr = optimizer.param_groups[0]["lr"]
-                local_loss, step_norm, reports = _train_step(parts, batches, config)
+                local_loss, step_norm, reports = _train_step(parts, batches, config, context.step + 1)
                 watchdog.beat()
                 stop_noted = preemption.received is not None
                 step_loss, finite, preempted = agree_on_step(local_loss, step_norm, stop_noted, parts.dims)
                 if not finite:
+                    parts.guards.raise_device_findings()  # a component that poisoned the step on purpose
                     bad_steps += 1  # the step's one wait for the device was the agreement above
                     loss, grad_norm = torch.stack([step_loss.double(), step_norm.double()]).tolist()
                     _handle_bad_step(context, checkpoints, parts.train_batches, manager, loss, grad_norm, bad_steps)
                     continue
                 bad_steps = 0
-                optimizer.step()
-                parts.scheduler.step()
+                with parts.guards.optimizer.calling("step()", context.step + 1):
+                    optimizer.step()
+                with parts.guards.scheduler.calling("step()", context.step + 1):
+                    parts.scheduler.step()
                 context.step += 1
                 run.trained = True  # from the first step on, the run directory is kept whatever happens
                 context.tokens_seen += parts.tokens_per_step
@@ -460,6 +474,7 @@ def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> N
             if parts.pipeline is not None
             else _loss_of(parts.model, parts.loss_fn, parts.context_parallel, context.config)
         )
+        loss_of = _guarded(loss_of, parts.guards or Guards.none(), context.step)
         results = parts.evaluator.run(loss_of, lambda value: mean_over_data_parallel(value, parts.mesh, parts.dims))
         with torch.no_grad():
             for evaluator in parts.evaluators:
@@ -510,7 +525,7 @@ def _handle_bad_step(
 
 
 def _train_step(
-    parts: _Parts, batches: Iterator[dict[str, torch.Tensor]], config: ForgeConfig
+    parts: _Parts, batches: Iterator[dict[str, torch.Tensor]], config: ForgeConfig, step: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, AuxCollector]:
     """Gradients of one optimizer step over ``grad_accum_steps`` micro-batches, clipped; returns
     (this rank's loss, averaged over its micro-batches; the global grad norm before clipping;
@@ -525,15 +540,20 @@ def _train_step(
     The backpropagated objective is the loss function's value plus every auxiliary loss; the
     returned loss is the data loss alone (the value without the terms the loss function
     reported, such as its z-loss), so that it reads the same with or without regularizers.
-    Each auxiliary loss and loss term is reported under its own name."""
+    Each auxiliary loss and loss term is reported under its own name. A failure of a component
+    in the forward, the loss or the backward is named (``parts.guards``; ``step``: the step
+    this is, for the message)."""
     model, optimizer, device, dtype = parts.model, parts.optimizer, parts.device, parts.dtype
+    guards = parts.guards or Guards.none()  # parts built by hand (tests, benchmarks): nothing named
     context_parallel = parts.context_parallel
     accum = config.train.grad_accum_steps
     optimizer.zero_grad(set_to_none=True)
     reports = AuxCollector()
     if parts.pipeline is not None:  # the schedule runs the micro-batches through the stages
         micro_batches = [next(batches) for _ in range(accum)]
-        loss_sum = torch.tensor(parts.pipeline.train_step(micro_batches) * accum, dtype=torch.float64, device=device)
+        with guards.model.calling(_PASSES, step):
+            loss_sum = parts.pipeline.train_step(micro_batches) * accum
+        loss_sum = torch.tensor(loss_sum, dtype=torch.float64, device=device)
     else:
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for micro in range(accum):
@@ -542,10 +562,13 @@ def _train_step(
             # Under tp, a loss that can takes the logits split over the vocabulary (forward,
             # loss and backward all inside the region); any other, the full logits.
             sharded_loss = loss_parallel_for(parts.dims.tp, parts.loss_fn)
-            with _gradient_sync(model, enabled=sync), collect_aux() as reports, sharded_loss:
+            calling = guards.model.calling(_PASSES, step)
+            with calling, _gradient_sync(model, enabled=sync), collect_aux() as reports, sharded_loss:
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                     logits, labels = _forward(model, batch, context_parallel)
-                    loss = _checked_loss(parts.loss_fn(logits, labels), config, training=True)
+                    with guards.loss.calling("its loss function", step):
+                        value = parts.loss_fn(logits, labels)
+                    loss = _checked_loss(value, config, training=True)
                 aux_total = reports.total()
                 full = loss if aux_total is None else loss + aux_total
                 (full / accum).backward()
@@ -553,6 +576,9 @@ def _train_step(
     max_norm = config.train.grad_clip or math.inf  # inf: measure the norm without clipping
     grad_norm = clip_grads(model.parameters(), max_norm, parts.pp_group)
     return loss_sum / accum, grad_norm, reports
+
+
+_PASSES = "the forward or backward pass"  # what a failure inside the model was raised in
 
 
 def _forward(
@@ -579,6 +605,16 @@ def _loss_of(
         return (value if config is None else _checked_loss(value, config, training=False)).item()
 
     return loss_of
+
+
+def _guarded(loss_of: Any, guards: Guards, step: int) -> Any:
+    """``loss_of`` with a failure inside the model named (forge_lm.train.guards)."""
+
+    def guarded(batch: dict[str, torch.Tensor]) -> float:
+        with guards.model.calling("the evaluation's forward pass", step):
+            return loss_of(batch)
+
+    return guarded
 
 
 def _checked_loss(value: Any, config: ForgeConfig, training: bool) -> torch.Tensor:

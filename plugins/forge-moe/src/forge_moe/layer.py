@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor
 from forge_lm.errors import PluginError
 from forge_lm.losses.aux import report_aux_loss, report_metric
 from forge_lm.model.swiglu import SwiGLU, swiglu_hidden
+from forge_lm.train.guards import COMPONENT_ATTRIBUTE, ComponentFailed, mark
 from forge_moe.experts import RoutedTokens, capacity, combine, dispatch, expert_swiglu, routed_experts
-from forge_moe.routers import recomputing
+from forge_moe.routers import Routing, recomputing
 
 if TYPE_CHECKING:
     from forge_lm.components import Initializer
@@ -131,6 +132,8 @@ class MoELayer(nn.Module):
         self.register_buffer("routed_load", torch.zeros(n_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("dropped_load", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("routed_slots", torch.zeros((), dtype=torch.int64), persistent=False)
+        # Forwards whose routing broke the contract since the last check, per fault (_FAULTS).
+        self.register_buffer("routing_faults", torch.zeros(len(_FAULTS), dtype=torch.int64), persistent=False)
         if self.shared is not None:  # the standalone default of an expert (a model's build sets it again)
             for linear in (self.shared.w1, self.shared.w3, self.shared.w2):
                 nn.init.normal_(linear.weight, mean=0.0, std=0.02)
@@ -143,7 +146,7 @@ class MoELayer(nn.Module):
         self.experts.init_weights(init)
         if self.shared is not None:
             self.shared.init_weights(init)
-        for counts in (self.routed_load, self.dropped_load, self.routed_slots):
+        for counts in (self.routed_load, self.dropped_load, self.routed_slots, self.routing_faults):
             init.zeros(counts)
 
     def active_parameter_count(self) -> int:
@@ -163,7 +166,7 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         tokens = batch * seq
-        routing = self.router(x)
+        routing = self._checked(self.router(x), tokens)
         limit = self.capacity(tokens)
         plan = dispatch(routing.indices, self.n_experts, limit)
         flat = x.reshape(tokens, dim)
@@ -183,6 +186,68 @@ class MoELayer(nn.Module):
             statistics = self._statistics(plan.assigned, plan.dropped, tokens) if self.training else {}
             _report(f"moe/layer{self.layer_index}", routing.aux_losses, statistics)
         return out.view(batch, seq, dim)
+
+    def _checked(self, routing: Any, tokens: int) -> Routing:
+        """The router's result, if it keeps the contract (:mod:`forge_moe.routers`).
+
+        Its form (types, shapes, dtypes: metadata) is checked here, a failure named at once.
+        Its values are checked on the device without waiting for it: experts outside
+        ``0..n_experts-1``, an expert twice for one token, negative combine weights. A forward
+        that finds one counts it in ``routing_faults``, uses expert 0 in place of an index out
+        of range (no index error, no device assert) and makes every combine weight NaN, so that
+        the step's loss is not finite: the training loop then asks :meth:`raise_device_findings`,
+        which names the router. A step with good routing waits for nothing."""
+        indices, weights, losses = (getattr(routing, field, None) for field in ("indices", "weights", "aux_losses"))
+        shape = [tokens, self.top_k]
+        if not isinstance(indices, torch.Tensor) or not isinstance(weights, torch.Tensor):
+            got = "None" if routing is None else f"a {type(routing).__name__}"
+            self._router_failed(f"returned {got}; a router returns a Routing(indices, weights, aux_losses)")
+        for name, tensor, kind in (("indices", indices, "int64"), ("weights", weights, "floating")):
+            if list(tensor.shape) != shape or not (
+                tensor.is_floating_point() if kind == "floating" else tensor.dtype == torch.int64
+            ):
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                self._router_failed(
+                    f"returned {name} of shape {list(tensor.shape)} and dtype {dtype}; a router returns {kind} "
+                    f"{name} of shape [tokens, top_k] = {shape}"
+                )
+        bad = [value for value in losses.values() if not _scalar(value)] if isinstance(losses, dict) else [losses]
+        if bad:
+            got = (
+                f"a tensor of shape {list(bad[0].shape)}"
+                if isinstance(bad[0], torch.Tensor)
+                else f"a {type(bad[0]).__name__}"
+            )
+            self._router_failed(
+                f"returned {got} as an auxiliary loss; aux_losses is a dict of names to 0-d floating tensors"
+            )
+        outside = (indices < 0) | (indices >= self.n_experts)
+        twice = indices.new_zeros((), dtype=torch.bool)
+        if self.top_k > 1:
+            ordered = indices.sort(dim=-1).values
+            twice = (ordered[:, 1:] == ordered[:, :-1]).any()
+        faults = torch.stack([outside.any(), twice, (weights < 0).any()])
+        if not recomputing():
+            with torch.no_grad():
+                self.routing_faults += faults
+        poison = weights.new_full((), float("nan")).where(faults.any(), 0.0)
+        return Routing(indices.masked_fill(outside, 0), weights + poison, losses)
+
+    def _router_failed(self, problem: str) -> None:
+        component = getattr(self.router, COMPONENT_ATTRIBUTE, None)
+        if component is None:  # a router built outside build_router: no registered component to name
+            raise TypeError(f"the router of MoE layer {self.layer_index} {problem}")
+        raise ComponentFailed(component, f"{problem} (MoE layer {self.layer_index})")
+
+    def raise_device_findings(self) -> None:
+        """After a non-finite step: name the router if a forward since the last call found a fault
+        in its routing (:meth:`_checked`); forget the findings. Reads the counts (a host sync):
+        called only after a bad step."""
+        found = self.routing_faults.tolist()
+        self.routing_faults.zero_()
+        faults = [f"{what} ({count} forwards)" for what, count in zip(_FAULTS, found, strict=True) if count]
+        if faults:
+            self._router_failed(f"returned {'; '.join(faults)}; the step was not taken")
 
     @torch.no_grad()
     def _statistics(self, assigned: torch.Tensor, dropped: torch.Tensor, tokens: int) -> dict[str, torch.Tensor]:
@@ -232,6 +297,17 @@ class MoELayer(nn.Module):
             hook()
 
 
+def _scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point()
+
+
+_FAULTS = (
+    "expert indices outside 0..n_experts-1",
+    "the same expert more than once for a token",
+    "negative combine weights",
+)
+
+
 # -- factory ------------------------------------------------------------------------------------
 
 
@@ -256,7 +332,7 @@ def build_router(chosen: Any, dim: int, n_experts: int, top_k: int) -> nn.Module
             f"router '{chosen.name}' returned {type(router).__name__}, not a torch.nn.Module; a router factory "
             "takes (options, dim, n_experts, top_k) and returns a module mapping [batch, seq, dim] to a Routing."
         )
-    return router
+    return mark(router, component)  # a failure in its forward, or in what it returns, names it
 
 
 def expert_hidden(options: Any, dim: int) -> int:
