@@ -137,7 +137,8 @@ def test_the_loop_joins_its_background_work_before_the_teardown(
     tmp_path: Path, manager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A real one-process run, with a background checkpoint writer and the hang watchdog: when
-    the teardown starts, end_run has run and every thread the run started has ended."""
+    the teardown starts, end_run has run and every thread the run started has ended but the
+    watchdog, which watches the teardown too and is stopped after it."""
     order: list[str] = []
     seen: dict[str, list[str]] = {}
     before = set(threading.enumerate())
@@ -172,7 +173,8 @@ def test_the_loop_joins_its_background_work_before_the_teardown(
     result = loop.train(load_config(None, overrides, manager.registry), manager)
     assert result.status == "completed"
     assert order == ["end_run", "teardown together=True"]
-    assert seen["threads"] == []  # the checkpoint writer and the watchdog were joined before
+    assert seen["threads"] == ["forge-hang-watchdog"]  # the checkpoint writer was joined before
+    assert not [t for t in set(threading.enumerate()) - before if t.is_alive()]  # the watchdog, after
 
 
 def test_a_failing_run_tears_down_without_waiting_for_the_others(

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -158,4 +160,10 @@ def run() -> None:
     launch = sys.modules.get("forge_lm.distributed.launch")  # imported only by commands that use torch
     if launch is not None and launch.JOINED:  # a distributed run: see exit_process
         launch.exit_process(code)
+    if any(thread.is_alive() and not thread.daemon for thread in threading.enumerate()[1:]):
+        # A plugin's thread that is not a daemon (named by forge_lm.train.watchdog.wait_for_threads) would keep
+        # the interpreter waiting at exit forever: the process ends without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)

@@ -17,6 +17,7 @@ HELP = "train a model (no CONFIG: the embedded default run)"
 TAKES_OVERRIDES = True
 _PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
 _PREEMPTED_EXIT_CODE = 75  # resilience.PREEMPTED_EXIT_CODE; importing it would import torch
+_THREAD_WAIT_S = 30.0  # the most a run's end waits for threads a plugin left running (less with a shorter hang_timeout)
 
 
 def add_arguments(parser) -> None:
@@ -54,6 +55,28 @@ def _run(args, overrides, plugins, noted: list[int]) -> int:
     if noted:  # the first safe point: nothing built, nothing written
         return _stopped_at_startup(signal.Signals(noted[0]).name)
 
+    from forge_lm.plugins._calls import PLUGIN_HOOK_EXIT_CODE
+    from forge_lm.train.watchdog import ThreadFailures, wait_for_threads
+
+    before = set(threading.enumerate())
+    with ThreadFailures() as threads:
+        try:
+            code = _train(config, manager, noted)
+        finally:  # a plugin's non-daemon thread would keep the process alive forever
+            wait = config.resilience.hang_timeout or _THREAD_WAIT_S
+            wait_for_threads(before, min(wait, _THREAD_WAIT_S))
+    if threads.failures and code == 0:
+        print(
+            f"forge: error: the run ended, but {len(threads.failures)} of its threads raised (above); exiting with "
+            f"{PLUGIN_HOOK_EXIT_CODE}. The newest checkpoint is intact; fix or remove the plugin that started them.",
+            file=sys.stderr,
+        )
+        return PLUGIN_HOOK_EXIT_CODE
+    return code
+
+
+def _train(config, manager, noted: list[int]) -> int:
+    """Train, and say how the run ended; the exit code."""
     from forge_lm.distributed import detect_launch
     from forge_lm.plugins._calls import PLUGIN_HOOK_EXIT_CODE, PluginHookFailed
     from forge_lm.train import train

@@ -26,7 +26,7 @@ from forge_lm.errors import ForgeError
 from forge_lm.plugins import PluginManager, PluginStatus
 from forge_lm.plugins._calls import PluginHookFailed, describe
 from forge_lm.train.run_state import save_run
-from forge_lm.train.watchdog import HANG_EXIT_CODE
+from forge_lm.train.watchdog import HANG_EXIT_CODE, HangWatchdog
 
 _TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 
@@ -90,9 +90,10 @@ class Teardown:
 
     By the time :meth:`close` runs, the run's background work has finished in the loop: the
     data loader's read-ahead thread was closed, :func:`end_run` closed the checkpoint writer
-    (joining a save still being written) and finished the metrics backends, and the hang
-    watchdog's thread, the preemption watcher and the profiler were stopped by their ``with``
-    blocks. No thread of the run is left to use the process group while it goes. Then
+    (joining a save still being written) and finished the metrics backends, and the preemption
+    watcher and the profiler were stopped by their ``with`` blocks. No thread of the run is left
+    to use the process group while it goes; the hang watchdog (handed over by :meth:`watch`)
+    only watches, until the end. Then
     (:func:`~forge_lm.distributed.launch.shutdown_distributed`):
 
     1. a barrier, when every rank stops together (``together``: a completed run, a preemption,
@@ -106,7 +107,14 @@ class Teardown:
 
     def __init__(self) -> None:
         self._releases: list[Callable[[], None]] = []
+        self._watchdog: HangWatchdog | None = None
         self.closed = False
+
+    def watch(self, watchdog: HangWatchdog) -> HangWatchdog:
+        """Start ``watchdog``; it watches the rest of the run, this teardown included, and is
+        stopped last by :meth:`close`."""
+        self._watchdog = watchdog.start()
+        return watchdog
 
     def hold(self, pipeline: PipelineRunner | None) -> None:
         """Release ``pipeline`` (when there is one) before the process group is destroyed."""
@@ -117,7 +125,14 @@ class Teardown:
         if self.closed:
             return
         self.closed = True
-        shutdown_distributed(wait_for_all=together, release=self._release)
+        watchdog, self._watchdog = self._watchdog, None
+        try:
+            if watchdog is not None:  # a barrier waiting for a rank that never comes is a hang too
+                watchdog.doing("the process group's teardown (its barrier, the pipeline's release)")
+            shutdown_distributed(wait_for_all=together, release=self._release)
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
 
     def _release(self) -> None:
         releases, self._releases = self._releases, []

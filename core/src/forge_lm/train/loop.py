@@ -337,20 +337,24 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
     resumed_at = 0  # the step this start resumed from; a finished run resumed trains no step
     started = False  # whether train_start was called (then train_end is)
     # From here to the teardown, a hang anywhere (a plugin's train_start, a backend's start) ends the run with 77.
+    watchdog = teardown.watch(HangWatchdog(config.resilience.hang_timeout, run_dir, rank()))
     try:
         if resuming:  # before any backend starts: plugins get their state back first (a tracker's run id)
+            watchdog.doing("resuming from the newest checkpoint")
             restore_run(checkpoints, context, parts.train_batches, manager)
             resumed_at = context.step
+        watchdog.doing("the metrics backends' start")
         for backend in backends:  # guarded: a backend that fails is turned off with a warning
             backend.start(to_data(config), manager.manifest())
         started = True
+        watchdog.doing("the plugins' forge_lm_train_start hooks")
         manager.call("forge_lm_train_start", context=context)
+        watchdog.doing(None)  # from here on: steps, evaluations, saves
         batches = parts.guards.dataset.batches(_on_device(iter(parts.train_batches), parts.device), parts.train_batches)
         window_start, window_steps = time.perf_counter(), 0
         memory = MemoryMetrics(parts.device)
         with (
             PreemptionWatcher(config.resilience.signal_timeout) as preemption,
-            HangWatchdog(config.resilience.hang_timeout, run_dir, rank()) as watchdog,
             StepProfiler(config.profiling, run_dir, rank(), parts.device) as profiler,
         ):
             try:  # the last safe point of the start-up; from here on the watcher has the signals
@@ -428,6 +432,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
         failure.outcome = stop_for_plugin(failure, checkpoints, context, parts.train_batches, parts.dims, manager)
         raise
     finally:  # never replaces the exception that ended the run
+        watchdog.doing("the run's end (train_end, the metrics backends' finish, the last checkpoint's write)")
         parts.train_batches.close()  # a reader thread (on CUDA) ends here, whatever ended the run
         trained = context.step > resumed_at  # else there is no final loss of this start to report
         summary = {"final_loss": loss, "steps": context.step} if trained else {"steps": context.step}

@@ -11,6 +11,14 @@ and ends the process with :data:`HANG_EXIT_CODE` (77). Each rank keeps its own c
 rank of a hung run stops and leaves its stacks: the stuck rank shows where it is stuck, the
 others show the collective they wait in. A job script requeues on 77 like on 75/76 (see
 examples/slurm/multi_node.sbatch): the run resumes from its newest checkpoint.
+
+The watchdog covers the whole run, not only its steps: from the run directory's opening
+(resuming, the metrics backends' ``start``, the plugins' ``train_start``) to the process group's
+end (``train_end``, the backends' ``finish``, the last checkpoint's write, the teardown). The
+loop says what the run is doing with :meth:`HangWatchdog.doing`, and a hang outside the steps
+names it. After the run, :func:`wait_for_threads` gives the threads a plugin left running a
+bounded time to end, and :class:`ThreadFailures` turns an exception in any thread of the run
+into one line instead of a traceback.
 """
 
 from __future__ import annotations
@@ -48,10 +56,23 @@ class HangWatchdog:
         self._stopped = threading.Event()
         self._lock = threading.Lock()  # __exit__ and the decision to fire exclude each other
         self._thread: threading.Thread | None = None
+        self._activity: str | None = None  # None: training steps, evaluations and saves
 
     @property
     def stacks_path(self) -> Path:
         return self.run_dir / HANG_DIR / f"rank{self.rank}.txt"
+
+    def start(self) -> HangWatchdog:
+        return self.__enter__()
+
+    def stop(self) -> None:
+        self.__exit__()
+
+    def doing(self, activity: str | None) -> None:
+        """The run moved on to ``activity`` (None: training steps, evaluations and saves): the
+        clock starts again, and a hang from now on is reported as ``activity`` not finishing."""
+        self._activity = activity
+        self._last_beat = time.monotonic()
 
     def __enter__(self) -> HangWatchdog:
         if self.timeout > 0:
@@ -89,6 +110,11 @@ class HangWatchdog:
                 return
         self._fire()
 
+    @property
+    def _stuck(self) -> str:
+        """What did not happen in time, for the message and the stacks' header."""
+        return "no optimizer step completed" if self._activity is None else f"{self._activity} did not finish"
+
     def _fire(self) -> None:
         try:
             where = str(self.stacks_path)
@@ -96,11 +122,15 @@ class HangWatchdog:
             if failure is not None:
                 where = "stderr"
                 _write_header_and_stacks(
-                    _stderr(), self.rank, self.timeout, f"{self.stacks_path} could not be written: {failure}"
+                    _stderr(),
+                    self.rank,
+                    self._stuck,
+                    self.timeout,
+                    f"{self.stacks_path} could not be written: {failure}",
                 )
             _bounded(lambda: events.record("hang", stacks=where, seconds=self.timeout))
             print(
-                f"forge: error: no optimizer step completed in {self.timeout:g} s (resilience.hang_timeout); wrote "
+                f"forge: error: {self._stuck} in {self.timeout:g} s (resilience.hang_timeout); wrote "
                 f"the Python stacks of rank {self.rank} to {where}; exiting with {HANG_EXIT_CODE}. Compare the "
                 f"stacks of every rank in {self.run_dir / HANG_DIR}: a rank stuck outside the collective that the "
                 "others wait in is the cause. Run the same command to resume from the newest checkpoint; raise "
@@ -116,16 +146,16 @@ class HangWatchdog:
         # Never through a link (a hang/ or rank<R>.txt planted in the run): that fails, and the stacks go to stderr.
         make_dirs(self.run_dir, HANG_DIR, fix="Remove the link.")
         with os.fdopen(open_to_write(self.stacks_path), "w") as file:
-            _write_header_and_stacks(file, self.rank, self.timeout)
+            _write_header_and_stacks(file, self.rank, self._stuck, self.timeout)
 
 
-def _write_header_and_stacks(file: TextIO, rank: int, timeout: float, note: str = "") -> None:
+def _write_header_and_stacks(file: TextIO, rank: int, stuck: str, timeout: float, note: str = "") -> None:
     """Who and when, the names of the threads (faulthandler shows only their ids), then the
     Python stack of every thread of this process."""
     names = ", ".join(f"0x{thread.ident or 0:016x} {thread.name}" for thread in threading.enumerate())
     file.write(
-        f"forge hang watchdog: rank {rank}, pid {os.getpid()}, host {socket.gethostname()}: no optimizer step "
-        f"completed in {timeout:g} s; {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n"
+        f"forge hang watchdog: rank {rank}, pid {os.getpid()}, host {socket.gethostname()}: {stuck} "
+        f"in {timeout:g} s; {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n"
         + (f"({note})\n" if note else "")
         + f"threads: {names}\n\n"
     )
@@ -161,3 +191,59 @@ def _stderr() -> TextIO:
     except (AttributeError, OSError, ValueError):
         return sys.__stderr__
     return sys.stderr
+
+
+def wait_for_threads(before: set[threading.Thread], seconds: float) -> list[threading.Thread]:
+    """Give the non-daemon threads started since ``before`` (a plugin's, left running after the
+    run) up to ``seconds`` in all to end; the ones still running, each named on stderr with
+    where it is. Python would wait for them forever at exit; the caller ends the process instead."""
+    deadline = time.monotonic() + seconds
+    waiting = [t for t in threading.enumerate() if t not in before and not t.daemon and t.is_alive()]
+    for thread in waiting:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = [thread for thread in waiting if thread.is_alive()]
+    frames = sys._current_frames()
+    for thread in left:
+        frame = frames.get(thread.ident or 0)
+        where = f" in {frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})" if frame else ""
+        print(
+            f"forge: warning: thread '{thread.name}'{where} is not a daemon and still runs {seconds:g} s after the "
+            "run ended; ending the process without it. A plugin's thread must be a daemon or end with the run "
+            "(in train_end).",
+            file=_stderr(),
+            flush=True,
+        )
+    return left
+
+
+class ThreadFailures:
+    """While entered, an exception that ends a thread other than the main one (a plugin's
+    background thread) is one ``forge: error:`` line naming the thread and where it raised,
+    instead of a raw traceback; :attr:`failures` holds those lines, so that the run does not
+    end as if all went well."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+        self._previous = threading.excepthook
+
+    def __enter__(self) -> ThreadFailures:
+        self._previous = threading.excepthook
+        threading.excepthook = self._hook
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        threading.excepthook = self._previous
+
+    def _hook(self, args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit:
+            return
+        tb, where = args.exc_traceback, ""
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None:
+            code = tb.tb_frame.f_code
+            where = f" in {code.co_name} ({code.co_filename}:{tb.tb_lineno})"
+        name = args.thread.name if args.thread is not None else "?"
+        line = f"thread '{name}' raised {args.exc_type.__name__}: {args.exc_value}{where}"
+        self.failures.append(line)
+        print(f"forge: error: {line}", file=_stderr(), flush=True)
