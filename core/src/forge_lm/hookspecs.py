@@ -33,7 +33,9 @@ When a plugin fails
 Every message names the plugin, its distribution and version, and the hook:
 ``plugin 'faults' (forge-faults 1.0) raised in forge_lm_step_end: ValueError: boom``.
 "Raises" means any exception, ``SystemExit`` included (a plugin does not decide that the
-process ends); ``KeyboardInterrupt`` is taken for the user's Ctrl-C (exit 130).
+process ends), and a ``KeyboardInterrupt`` that no Ctrl-C (SIGINT) caused; after a real Ctrl-C
+it is the user's (exit 130). A plugin that changes the working directory fails too (it is put
+back first): relative paths of the run would point elsewhere.
 
 - A training hook (:func:`forge_lm_train_start`, :func:`forge_lm_step_end`,
   :func:`forge_lm_step_skipped`, :func:`forge_lm_eval_end`, :func:`forge_lm_save_state`,
@@ -49,6 +51,17 @@ process ends); ``KeyboardInterrupt`` is taken for the user's Ctrl-C (exit 130).
   metric names (non-empty strings) to numbers (NaN and Inf allowed). Anything else, and keys
   the core logs itself (``loss``, ``lr``, ``step``, ...), is left out with one warning per
   plugin and hook; the run goes on.
+- A component the training loop calls into (:mod:`forge_lm.train.guards`): an optimizer's or
+  scheduler's ``step()``, a dataset's iterator, a loss, a model family's forward and backward
+  with its attention and feed-forward layers, a router inside forge-moe's layers, an evaluator.
+  One that raises, ends (a dataset), or returns what the core cannot use (a feed-forward
+  output of another shape, a negative learning rate, a sample that is not a dict of int64
+  tensors of ``seq_len`` tokens, an evaluator that changed the model's gradients) stops the
+  run with exit code 4, the message naming the component with its plugin, distribution and
+  version (the core's own component: a bug in forge-lm). The last good step is checkpointed,
+  except after an optimizer's or scheduler's ``step()`` that failed (the weights may be half
+  updated: the newest checkpoint stands). An evaluator's NaN or Inf metric is logged with one
+  warning.
 - :func:`forge_lm_train_end` that raises is a warning: after a completed run the exit code
   stays 0, after a failed or interrupted one its own exit code and message stand. Nothing
   raised while the run ends (``train_end``, a backend's ``finish``) replaces the error that
