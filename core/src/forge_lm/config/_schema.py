@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from typing import Any
 
 import attrs
@@ -181,6 +182,16 @@ def _run_directory(instance: Any, attribute: Any, value: str) -> None:
     absolute = os.path.abspath(value)
     if os.path.dirname(absolute) == absolute:
         raise FieldError(attribute.name, f"is the file system's root ({value!r}); name a directory for the run")
+    # Printed in every message about the run: a terminal escape in it would redraw the screen (a fake
+    # error line), a NUL cannot be a path, and bytes that are not UTF-8 cannot be written into the run's files.
+    if any(0xDC80 <= ord(char) <= 0xDCFF for char in value):
+        raise FieldError(attribute.name, f"is not valid UTF-8 ({value!r}); name the run directory in UTF-8")
+    if any(unicodedata.category(char) in ("Cc", "Cf", "Cs") and char != "\t" for char in value):  # a tab is harmless
+        raise FieldError(
+            attribute.name,
+            f"holds a control character ({value!r}: a NUL, a terminal escape, a line break, ...); "
+            "name the run directory without one",
+        )
 
 
 @attrs.frozen
