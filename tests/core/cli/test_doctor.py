@@ -85,6 +85,7 @@ def test_healthy_cpu_environment_passes_every_check_with_exit_0(doctor):
         "distributed": "ok",
         "health": "ok",
         "core plugins": "ok",
+        "plugin deepseek": "ok",
         "plugin moe": "ok",  # installed but disabled by the switch: deliberate, so fine
         "plugin muon": "ok",
         "plugin float8": "ok",
@@ -367,7 +368,7 @@ def test_invalid_config_fails_with_its_message_and_checks_the_current_directory(
     assert code == 1
     status, detail = rows["config"]
     assert status == "fail"
-    assert detail.startswith(f"{config}: [model] n_head: unknown key. Did you mean 'n_heads'?")
+    assert detail.startswith(f"{config}: [model] n_head: unknown key for model family 'llama'. Did you mean 'n_heads'?")
     assert "device" not in rows  # nothing to check without a valid config
     assert rows["run directory"] == ("ok", ". is writable")
 

@@ -106,7 +106,7 @@ def test_tied_embeddings_are_rejected(manager) -> None:
 
 
 def test_a_model_that_is_not_a_forge_transformer_is_rejected_with_the_fix() -> None:
-    with pytest.raises(ForgeError, match=r"Sequential has no 'tok_embeddings'.*build_model.*pp = 1"):
+    with pytest.raises(ForgeError, match=r"Sequential declares no keep_stage\(stage, stages\) and blocks\(\).*pp = 1"):
         check_pipeline(torch.nn.Sequential(torch.nn.Linear(2, 2)), ParallelDims(pp=2, pp_schedule="gpipe"), 2)
 
 
@@ -137,8 +137,8 @@ def test_a_pipeline_needs_stages(manager) -> None:
         PipelineRunner(tiny_model(manager), ParallelDims(), None, CPU, None, 1)
 
 
-def test_only_a_transformer_is_split() -> None:
-    with pytest.raises(ForgeError, match="splits a forge_lm Transformer"):
+def test_only_a_model_that_declares_its_stages_is_split() -> None:
+    with pytest.raises(ForgeError, match="cuts a model into stages of blocks"):
         check_pipeline(torch.nn.Linear(2, 2), ParallelDims(pp=2, pp_schedule="gpipe"), 2)
 
 

@@ -182,7 +182,7 @@ def test_an_mfu_above_1_against_a_measured_cpu_peak_measures_it_again_once(monke
     from forge_lm.model.flops import active_parameter_count, flops_per_token
 
     model = build_model(config.model, 257, manager.registry)
-    per_token = flops_per_token(config.model, active_parameter_count(model), config.train.seq_len)
+    per_token = flops_per_token(config.model.options, active_parameter_count(model), config.train.seq_len)
     for r in records:  # the formula with the new peak: flops per token x tokens/s / peak
         assert r["mfu"] == pytest.approx(per_token * r["tokens_per_sec"] / 1e15, rel=1e-9)
     assert "was too low; measuring it again" in capsys.readouterr().err

@@ -658,6 +658,7 @@ def test_a_failing_backend_is_turned_off_with_one_warning_and_the_others_go_on(f
 
 def test_an_unwritable_metrics_file_is_a_warning_and_the_checkpoints_are_still_written(forge, run_dir):
     (run_dir / "metrics.jsonl").mkdir(parents=True)
+    (run_dir / "checkpoints").mkdir()  # a run's directory, not a stranger's folder (which a run refuses)
 
     code, err = forge(faulty_manager())
 

@@ -22,8 +22,8 @@ from forge_lm.plugins import (
 FORGE_VERSION = importlib.metadata.version("forge-lm")
 MUON_VERSION = importlib.metadata.version("forge-optim-muon")
 ALL_CATEGORIES = (
-    "'datasets', 'evaluators', 'feed_forwards', 'losses', 'metrics_backends', 'model_transforms', 'optimizers', "
-    "'routers', 'schedulers', 'tokenizers'"
+    "'attentions', 'datasets', 'evaluators', 'feed_forwards', 'losses', 'metrics_backends', 'model_transforms', "
+    "'models', 'optimizers', 'routers', 'schedulers', 'tokenizers'"
 )
 REGISTERS_ADAMW = """
 @hookimpl
@@ -55,6 +55,8 @@ def test_every_category_has_a_singular_noun_and_a_registration_hook(manager):
         "datasets",
         "metrics_backends",
         "tokenizers",
+        "models",
+        "attentions",
         "feed_forwards",
         "routers",
         "model_transforms",
