@@ -104,6 +104,26 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
+class LaunchIncomplete(ForgeError):
+    """Not every rank the launch environment claims joined the process group in time: the
+    environment claims more ranks than were started, or some failed or cannot reach the first."""
+
+
+def _incomplete(launch: Launch, timeout_s: float, error: BaseException) -> str:
+    claimed = (
+        f"WORLD_SIZE={launch.world_size}" if launch.launcher == "torchrun" else f"SLURM_NTASKS={launch.world_size}"
+    )
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return (
+        f"rank {launch.rank} could not join the run's {launch.world_size} ranks ({claimed}, from {launch.launcher}) "
+        f"at {where} within [distributed] timeout = {timeout_s:g} s: {first_line} Check that {claimed} is the "
+        "number of processes started (torchrun's --nnodes and --nproc_per_node, srun's --ntasks), that every "
+        "node reaches MASTER_ADDR:MASTER_PORT, and that no rank failed at start (its output says why). Nothing "
+        "was written."
+    )
+
+
 _OWNED_GROUP = False  # whether init_distributed created the default process group
 JOINED = False  # whether this process ever joined a process group (see exit_process)
 
@@ -120,11 +140,14 @@ def init_distributed(launch: Launch, device: torch.device, timeout_s: float = 60
         os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend=backend_for(device),
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device if device.type == "cuda" else None,
-    )
+    try:
+        dist.init_process_group(
+            backend=backend_for(device),
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    except dist.DistError as exc:  # the store's "Timed out after N seconds waiting for clients. 1/4 clients joined."
+        raise LaunchIncomplete(_incomplete(launch, timeout_s, exc)) from None
     _OWNED_GROUP = True
     JOINED = True
 

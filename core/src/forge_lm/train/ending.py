@@ -29,6 +29,27 @@ from forge_lm.train.run_state import save_run
 from forge_lm.train.watchdog import HANG_EXIT_CODE, HangWatchdog
 
 _TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_PEER_LOST = re.compile(r"connection closed by peer|connection reset by peer|broken pipe", re.IGNORECASE)
+
+
+def _collective_error(error: BaseException) -> RuntimeError | None:
+    """The error of a collective in ``error`` or its causes: ``error`` itself when it is a
+    RuntimeError (as before guards wrapped errors), or up to a few levels down (``raise ...
+    from``) a torch.distributed error or gloo's RuntimeError, never a plugin's own."""
+    if isinstance(error, RuntimeError):
+        return error
+    for _ in range(4):
+        error = error.__cause__
+        if error is None:
+            return None
+        if isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo" in str(error).lower()):
+            return error
+    return None
+
+
+def _clipped(line: str) -> str:
+    """gloo's first line, without its trailing advice and emoji."""
+    return line.split(". This is typically caused", 1)[0]
 
 
 class CollectiveTimedOut(ForgeError):
@@ -39,11 +60,22 @@ class CollectiveTimedOut(ForgeError):
 
 
 def collective_timeout(error: BaseException, timeout: float) -> CollectiveTimedOut | None:
-    """``error`` explained, if it is a collective of this run's process group timing out
-    (gloo raises a RuntimeError "Timed out waiting ...", NCCL a DistBackendError, a subclass)."""
-    if not (isinstance(error, RuntimeError) and dist.is_available() and dist.is_initialized()):
+    """``error`` explained, if it is a collective of this run's process group timing out (gloo
+    raises a RuntimeError "Timed out waiting ...", NCCL a DistBackendError, a subclass) or losing
+    its connection to a rank that died (gloo's "Connection closed by peer"). The collective's
+    error may be the cause of another (a guard naming the model it was raised in)."""
+    if not (dist.is_available() and dist.is_initialized()):
         return None
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    found = _collective_error(error)
+    if found is None:
+        return None
+    first_line = str(found).strip().splitlines()[0] if str(found).strip() else ""
+    if _PEER_LOST.search(first_line):
+        return CollectiveTimedOut(
+            f"the connection to another rank of the run closed ({_clipped(first_line)}): that rank stopped (killed, "
+            "out of memory, its node lost). Look at its output for why. Exiting with "
+            f"{HANG_EXIT_CODE}; the checkpoints written before are intact: run the same command to resume."
+        )
     if not _TIMED_OUT.search(first_line):
         return None
     return CollectiveTimedOut(

@@ -1,0 +1,115 @@
+"""Distributed launches gone wrong, with real processes (gloo on CPU, started as ``srun`` or
+``torchrun`` would start them): a rank killed mid-run, and a launch environment that claims
+more ranks than were started. The rank that is left says what happened in one Forge message,
+without gloo's traceback, and exits with the code a job script acts on."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forge_lm.train.watchdog import HANG_EXIT_CODE
+
+KILLER = """
+import os, signal
+from forge_lm import hookimpl
+
+FORGE_LM_PLUGIN_API = ">=1,<2"
+
+
+@hookimpl
+def forge_lm_step_end(context, step):
+    if os.environ.get("SLURM_PROCID") == "1" and step == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer, a lost node
+"""
+
+TINY = [
+    "--model.dim=32",
+    "--model.n_layers=1",
+    "--model.n_heads=2",
+    "--train.seq_len=16",
+    "--train.batch_size=2",
+    "--train.max_steps=6",
+    '--metrics.backends=["jsonl"]',
+    "--metrics.peak_flops=1e12",
+    "--eval.interval=0",
+    "--data.name=synthetic",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_", "MASTER_", "FORGE_LM"))
+    }
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _forge(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "forge_lm", "train", *TINY, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _first_error(stderr: str) -> str:
+    return next((line for line in stderr.splitlines() if line.startswith("forge: error:")), "")
+
+
+def test_a_killed_rank_leaves_the_other_with_one_message_and_the_hang_code(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "forge_killer.py").write_text(KILLER)
+    info = site / "forge_killer-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: forge-killer\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[forge_lm]\nkiller = forge_killer\n")
+    env = _env(SLURM_NTASKS="2", PYTHONPATH=str(site))
+    args = [f"--train.output_dir={tmp_path / 'run'}", "--distributed.timeout=60", "--checkpoint.interval=1"]
+    ranks = [_forge(args, {**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}) for rank in range(2)]
+    try:
+        _, err0 = ranks[0].communicate(timeout=120)
+    finally:
+        ranks[1].kill()
+        ranks[1].communicate()
+    assert ranks[1].returncode == -9
+    assert ranks[0].returncode == HANG_EXIT_CODE, err0
+    assert "Traceback" not in err0
+    assert _first_error(err0).startswith("forge: error: the connection to another rank of the run closed ("), err0
+    assert "that rank stopped (killed, out of memory, its node lost)" in err0
+    assert (tmp_path / "run" / "checkpoints" / "step_1").is_dir()  # written before the rank died, kept
+
+
+@pytest.mark.parametrize(
+    ("variables", "claimed"),
+    [
+        ({"SLURM_NTASKS": "3", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, "SLURM_NTASKS=3, from slurm"),
+        ({"WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0"}, "WORLD_SIZE=3, from torchrun"),
+    ],
+    ids=["slurm-ntasks", "world-size"],
+)
+def test_more_ranks_claimed_than_started_is_named_before_anything_is_written(tmp_path, variables, claimed) -> None:
+    run = tmp_path / "run"
+    process = _forge([f"--train.output_dir={run}", "--distributed.timeout=3"], _env(**variables))
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 2, err
+    assert "Traceback" not in err
+    assert _first_error(err).startswith(f"forge: error: rank 0 could not join the run's 3 ranks ({claimed}) at "), err
+    assert "1/3 clients joined" in err
+    assert not run.exists()
