@@ -4,6 +4,7 @@ names, NaN and infinities, values that are not numbers), its own registry, the s
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -386,3 +387,44 @@ def test_invalid_options_are_refused_naming_section_and_key(prometheus_manager, 
     with pytest.raises(ConfigError) as caught:
         load_config(None, ['--metrics.backends=["prometheus"]', override], prometheus_manager.registry)
     assert message in str(caught.value)
+
+
+def test_slow_clients_in_every_slot_neither_hold_it_past_the_deadline_nor_starve_a_scrape(
+    build_backend, scrape, monkeypatch
+):
+    # Issue 37: one client per slot sending a byte at a time, each before the read timeout,
+    # held every slot for good and no scrape was answered.
+    cap = 4
+    monkeypatch.setattr(backend_module, "MAX_CONNECTIONS", cap)
+    monkeypatch.setattr(backend_module, "REQUEST_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(backend_module, "REQUEST_DEADLINE_S", 2.0)
+    monkeypatch.setattr(backend_module, "EVICT_AFTER_S", 0.5)
+    backend = build_backend()
+    backend.start({}, [])
+    backend.log(3, {"loss": 2.0})
+
+    slow = [socket.create_connection(("127.0.0.1", backend.port), timeout=5) for _ in range(cap)]
+    cut: set[int] = set()  # which slow clients the server closed
+    try:
+        started = time.monotonic()
+        while time.monotonic() - started < 0.8:  # every slot busy with a trickle, each well inside the read timeout
+            for client in slow:
+                with contextlib.suppress(OSError):
+                    client.sendall(b"G")
+            time.sleep(0.1)
+        assert scrape(backend.url) == {"forge_step": 3.0, "forge_loss": 2.0}  # it takes the oldest one's slot
+
+        while len(cut) < cap and time.monotonic() - started < 6.0:  # trickle on: each is cut by its deadline
+            for index, client in enumerate(slow):
+                try:
+                    client.sendall(b"E")
+                    readable, _, _ = select.select([client], [], [], 0)
+                    if readable and not client.recv(4096):
+                        cut.add(index)
+                except OSError:
+                    cut.add(index)
+            time.sleep(0.1)
+        assert len(cut) == cap, f"{cap - len(cut)} of {cap} trickling clients still served after 6 s"
+    finally:
+        for client in slow:
+            client.close()

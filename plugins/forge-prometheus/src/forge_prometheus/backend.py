@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import numbers
 import re
 import socket
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -121,7 +123,36 @@ class _LatestValues:
 # without these limits, each idle or half-sent connection held one thread until the run ended,
 # so a few hundred of them could exhaust the threads and memory the trainer itself needs.
 REQUEST_TIMEOUT_S = 10.0  # per socket read or write; a scrape takes milliseconds
-MAX_CONNECTIONS = 16  # connections served at once; one more is closed as soon as it is accepted
+# The most a whole request may take, however its bytes trickle in: a client sending one byte
+# every few seconds never hits the per-read timeout, and without this held its slot for good.
+REQUEST_DEADLINE_S = 10.0
+MAX_CONNECTIONS = 16  # connections served at once
+# When every slot is taken, a new connection takes the slot of the oldest one, if that one has
+# been served this long (a real scrape takes milliseconds): slow clients cannot starve a scrape.
+EVICT_AFTER_S = 1.0
+
+
+class _UntilDeadline(io.RawIOBase):
+    """The request's socket reader, each read given only the time left before the deadline."""
+
+    def __init__(self, raw: Any, connection: socket.socket, seconds: float) -> None:
+        super().__init__()
+        self._raw, self._connection = raw, connection
+        self._deadline = time.monotonic() + seconds
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the request took longer than {REQUEST_DEADLINE_S:g} s")
+        self._connection.settimeout(min(left, REQUEST_TIMEOUT_S))
+        return self._raw.readinto(buffer)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -129,6 +160,7 @@ class _QuietHandler(WSGIRequestHandler):
         # Read at each connection (not a class attribute), so the constant is the one in force.
         self.timeout = REQUEST_TIMEOUT_S
         super().setup()
+        self.rfile = io.BufferedReader(_UntilDeadline(self.rfile.detach(), self.connection, REQUEST_DEADLINE_S))
 
     def handle(self) -> None:
         # A client that stalls past the timeout, or goes away, just loses its connection: no
@@ -152,23 +184,43 @@ class _Server(ThreadingMixIn, WSGIServer):
         # One slot per connection being served: with the timeout above, at most MAX_CONNECTIONS
         # threads, each held for at most REQUEST_TIMEOUT_S per read, however many clients connect.
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._served: dict[Any, float] = {}  # connection -> when it took its slot
+        self._served_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        if not self._slots.acquire(blocking=False) and not (self._evict_oldest() and self._slots.acquire(timeout=1.0)):
             self.shutdown_request(request)  # over the cap: closed at once, no thread started
             return
+        with self._served_lock:
+            self._served[request] = time.monotonic()
         try:
             super().process_request(request, client_address)
         except BaseException:  # the thread did not start: its slot is free again (the caller closes the socket)
-            self._slots.release()
+            self._release(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)  # closes the connection when done
         finally:
-            self._slots.release()
+            self._release(request)
+
+    def _release(self, request: Any) -> None:
+        with self._served_lock:
+            self._served.pop(request, None)
+        self._slots.release()
+
+    def _evict_oldest(self) -> bool:
+        """Cut the connection served longest, if it has had EVICT_AFTER_S: its thread's read ends
+        and frees the slot. Whether one was cut."""
+        with self._served_lock:
+            oldest = min(self._served.items(), key=lambda item: item[1], default=None)
+        if oldest is None or time.monotonic() - oldest[1] < EVICT_AFTER_S:
+            return False
+        with contextlib.suppress(OSError):
+            oldest[0].shutdown(socket.SHUT_RDWR)
+        return True
 
 
 class PrometheusBackend:
