@@ -8,10 +8,15 @@ is ``forge-hostile`` 1.0 installed into a site on the subprocess's ``PYTHONPATH`
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 
 import pytest
-from _hostile import Case, Outcome, Workspace, case_params
+from _hostile import TINY, Case, Outcome, Workspace, case_params
 from test_plugins import install, site_of
 
 HANG_S = 3  # resilience.hang_timeout of these runs: far above a tiny step, even on a loaded machine
@@ -176,3 +181,62 @@ CASES = [
 @pytest.mark.parametrize("case", case_params(CASES))
 def test_case(case, run_case):
     run_case(case)
+
+
+STOPPER = """
+import os, signal
+from pathlib import Path
+
+from forge_lm import hookimpl
+
+FORGE_LM_PLUGIN_API = ">=1,<2"
+
+
+@hookimpl
+def forge_lm_step_end(context, step):
+    if step == 2:  # just before the checkpoint of step 2 is written
+        Path(os.environ["STOPPED_MARKER"]).write_text("stopped")
+        os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def test_a_process_stopped_longer_than_the_hang_timeout_goes_on_after_sigcont(tmp_path) -> None:
+    # Issue 37: SIGSTOP past resilience.hang_timeout, then SIGCONT: the watchdog counted the
+    # stopped time as a hang and the run exited 77 without the checkpoint it was about to write.
+    ws = Workspace(root=tmp_path, run=tmp_path / "run", sentinel=tmp_path / "SENTINEL")
+    plugin_in_subprocess(STOPPER)(ws)
+    marker = tmp_path / "stopped"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORGE_LM_")}
+    env.update(ws.env, STOPPED_MARKER=str(marker))
+    hang_s = 6  # a first checkpoint follows the stop: more time than the other cases' steps need
+    args = [
+        "train",
+        *TINY,
+        "--train.max_steps=4",
+        f"--train.output_dir={ws.run}",
+        f"--resilience.hang_timeout={hang_s}",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "forge_lm", *args],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the process stops itself right after writing the marker
+        assert process.poll() is None, process.communicate()
+        time.sleep(2 * hang_s)  # stopped, as by a debugger or a job scheduler
+        process.send_signal(signal.SIGCONT)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err
+    assert "Traceback" not in err
+    assert not (ws.run / "hang").exists()
+    assert (ws.checkpoints / "latest").read_text().strip() == "step_4"
+    assert (ws.checkpoints / "step_2").is_dir()

@@ -42,6 +42,10 @@ HANG_DIR = "hang"  # <run>/hang/rank<R>.txt
 # Writing the stacks or the event may itself hang: a hung file system is a common reason for a
 # hang. Each is given this long before the watchdog goes on without it and still exits.
 _WRITE_SECONDS = 30.0
+# The watchdog looks at the clock at least this often, and a look this much later than it asked
+# for means the process was stopped (SIGSTOP and SIGCONT): not counted as time without progress.
+_NAP_SECONDS = 1.0
+_STOPPED_SECONDS = 1.0
 
 
 class HangWatchdog:
@@ -97,14 +101,27 @@ class HangWatchdog:
             thread.join()
 
     def _watch(self) -> None:
-        # The thread sleeps until the deadline the last beat set and looks again: a beat in
-        # between moved the deadline, so it sleeps once more. No polling between deadlines.
+        # The thread sleeps towards the deadline the last beat set, in naps of at most
+        # _NAP_SECONDS, and looks again: a beat in between moved the deadline. A nap that took
+        # far longer than asked means the whole process was stopped (SIGSTOP, a suspended
+        # machine): that time was no one's hang, and the deadline moves past it.
+        paused, beat = 0.0, self._last_beat  # seconds the process was stopped since beat
+        woke = 0.0  # when the process was last found to have been stopped
         while True:
-            remaining = self._last_beat + self.timeout - time.monotonic()
+            if self._last_beat != beat:  # a beat since: the clock starts from it
+                beat = self._last_beat
+                if beat > woke:  # a beat before the stop (noticed only now) keeps the stopped time out
+                    paused = 0.0
+            before = time.monotonic()
+            remaining = self._last_beat + paused + self.timeout - before
             if remaining <= 0:
                 break
-            if self._stopped.wait(remaining):
+            nap = min(remaining, _NAP_SECONDS)
+            if self._stopped.wait(nap):
                 return
+            overslept = time.monotonic() - before - nap
+            if overslept > _STOPPED_SECONDS:
+                paused, woke = paused + overslept, time.monotonic()
         with self._lock:
             if self._stopped.is_set():  # __exit__ came first: the run ended, no hang
                 return
