@@ -164,6 +164,18 @@ ModelSection = LlamaOptions  # the name before model families; kept for code tha
 
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# Batches one evaluation may read. Every set's batches are read once at the start (a set too short
+# fails there), so a count in the billions would hang the start instead of being refused.
+MAX_EVAL_STEPS = 100_000
+
+
+def _eval_steps(instance: Any, attribute: Any, value: int | None) -> None:
+    if value is not None and value > MAX_EVAL_STEPS:
+        raise FieldError(
+            attribute.name,
+            f"must be at most {MAX_EVAL_STEPS} (batches per evaluation, all read once when the run starts), "
+            f"got {value!r}",
+        )
 
 
 def _device_name(instance: Any, attribute: Any, value: str) -> None:
@@ -354,7 +366,9 @@ class EvalSet:
         ),
     )
     steps: int | None = attrs.field(
-        default=None, validator=positive, metadata=_doc("Batches per evaluation of this set; unset = [eval] steps.")
+        default=None,
+        validator=[positive, _eval_steps],
+        metadata=_doc(f"Batches per evaluation of this set (at most {MAX_EVAL_STEPS}); unset = [eval] steps."),
     )
 
 
@@ -363,7 +377,11 @@ class EvalSection:
     interval: int = attrs.field(
         default=100, validator=non_negative, metadata=_doc("Evaluate every this many steps (and at the end); 0 never.")
     )
-    steps: int = attrs.field(default=4, validator=positive, metadata=_doc("Batches per evaluation."))
+    steps: int = attrs.field(
+        default=4,
+        validator=[positive, _eval_steps],
+        metadata=_doc(f"Batches per evaluation (at most {MAX_EVAL_STEPS})."),
+    )
     datasets: dict[str, EvalSet] = attrs.field(
         factory=dict,
         metadata={

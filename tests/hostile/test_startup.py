@@ -1,0 +1,52 @@
+"""Inputs that made the start of a run hang instead of being refused: an evaluation asked to read
+a trillion batches (every set's batches are read once at the start)."""
+
+from __future__ import annotations
+
+import pytest
+from _hostile import Case, Outcome, Workspace, case_params
+
+AT_MOST = (
+    r"steps: must be at most 100000 \(batches per evaluation, all read once when the run starts\), got 1000000000000\.$"
+)
+TOO_MANY = r"forge: error: \[eval\] " + AT_MOST
+
+
+def nothing_written(ws: Workspace, outcome: Outcome) -> None:
+    assert not ws.run.exists()
+
+
+CASES = [
+    Case(
+        "config-validate-eval-steps-in-the-trillions",
+        ("config", "validate", "{tiny}", "--eval.steps=1000000000000"),
+        2,
+        TOO_MANY,
+    ),
+    Case(
+        "train-eval-steps-in-the-trillions",
+        ("train", "{tiny}", "--eval.interval=2", "--eval.steps=1000000000000", "--train.output_dir={run}"),
+        2,
+        TOO_MANY,
+        check=nothing_written,
+    ),
+    Case(
+        "eval-set-steps-in-the-trillions",
+        (
+            "train",
+            "{tiny}",
+            "--eval.interval=2",
+            "--eval.datasets.held_out.name=synthetic",
+            "--eval.datasets.held_out.steps=1000000000000",
+            "--train.output_dir={run}",
+        ),
+        2,
+        r"forge: error: \[eval\.datasets\.held_out\] " + AT_MOST,
+        check=nothing_written,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", case_params(CASES))
+def test_case(case, run_case):
+    run_case(case)
