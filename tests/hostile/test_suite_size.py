@@ -12,6 +12,9 @@ AREAS = (
     "test_interop",
     "test_disk",
     "test_integrity",
+    "test_component_failures",
+    "test_hangs",
+    "test_run_dir_names",
 )
 
 
