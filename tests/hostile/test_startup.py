@@ -1,5 +1,6 @@
 """Inputs that made the start of a run hang instead of being refused: an evaluation asked to read
-a trillion batches (every set's batches are read once at the start)."""
+a trillion batches (every set's batches are read once at the start), a data glob whose ``**``
+met a link to /proc (and through /proc/self/root, the whole machine, again and again)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,22 @@ def nothing_written(ws: Workspace, outcome: Outcome) -> None:
     assert not ws.run.exists()
 
 
+def data_with_a_link_to_proc(ws: Workspace) -> None:
+    data = ws.root / "data"
+    (data / "shards").mkdir(parents=True)
+    (data / "proc").symlink_to("/proc")
+
+
 CASES = [
+    Case(
+        "data-glob-meets-a-link-to-proc",
+        ("train", "{tiny}", "--data.name=memmap", "--data.path={root}/data/**/*.bin", "--train.output_dir={run}"),
+        2,
+        r"forge: error: dataset 'memmap': the pattern '.*/data/\*\*/\*\.bin' holds no \.bin, \.npy files\.$",
+        setup=data_with_a_link_to_proc,
+        subprocess=True,  # the old walk never ended: in a subprocess the harness's timeout ends it
+        check=nothing_written,
+    ),
     Case(
         "config-validate-eval-steps-in-the-trillions",
         ("config", "validate", "{tiny}", "--eval.steps=1000000000000"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,8 +22,7 @@ def resolve_files(path: str, suffixes: Sequence[str], dataset: str) -> list[Path
         raise ConfigError(f"dataset '{dataset}' needs a path: set path = a file, a directory, or a glob.")
     expanded = Path(path).expanduser()
     if _GLOB_CHARACTERS & set(path):
-        matches = [Path(found) for found in glob.glob(str(expanded), recursive=True)]
-        files = sorted(found for found in matches if found.is_file() and found.suffix in suffixes)
+        files = sorted(found for found in expand_glob(expanded) if found.is_file() and found.suffix in suffixes)
         where = f"the pattern '{path}'"
     elif expanded.is_dir():
         files = sorted(found for found in expanded.iterdir() if found.is_file() and found.suffix in suffixes)
@@ -38,3 +36,19 @@ def resolve_files(path: str, suffixes: Sequence[str], dataset: str) -> list[Path
     if not files:
         raise ConfigError(f"dataset '{dataset}': {where} holds no {wanted} files.")
     return files
+
+
+def expand_glob(pattern: Path) -> list[Path]:
+    """The paths ``pattern`` matches, as :func:`glob.glob` finds them (hidden names only where
+    the pattern names them), except that ``**`` does not descend through links to directories:
+    :func:`glob.glob` does, so a link to ``/`` or ``/proc`` among the data (``/proc/self/root``
+    leads back to ``/``) made it walk the whole machine, without end."""
+    parts = pattern.parts
+    first = next((index for index, part in enumerate(parts) if _GLOB_CHARACTERS & set(part)), len(parts))
+    anchor = Path(*parts[:first]) if first else Path(".")
+    rest = parts[first:]
+    if not rest:
+        return [anchor] if anchor.exists() else []
+    hidden = any(part.startswith(".") for part in rest)
+    found = anchor.glob(str(Path(*rest)))
+    return [path for path in found if hidden or not any(p.startswith(".") for p in path.relative_to(anchor).parts)]

@@ -16,7 +16,6 @@ outside the output directory is written through a link planted there.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +25,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from forge_lm.data.files import expand_glob
 from forge_lm.data.shards import metadata_path, token_dtype, write_shard_metadata
 from forge_lm.errors import ForgeError
 from forge_lm.run_links import link_error, open_to_write
@@ -49,7 +49,7 @@ def resolve_inputs(inputs: Sequence[str], format: str) -> list[Path]:
             if not found:
                 raise ForgeError(f"input directory '{name}' holds no {format} files ({', '.join(suffixes)}).")
             files.extend(found)
-        elif matches := sorted(Path(m) for m in glob.glob(str(path), recursive=True) if Path(m).is_file()):
+        elif matches := sorted(m for m in expand_glob(path) if m.is_file()):
             files.extend(matches)
         else:
             raise ForgeError(f"input '{name}' does not exist (nor matches any file).")
