@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,11 +32,25 @@ def resolve_files(path: str, suffixes: Sequence[str], dataset: str) -> list[Path
         if expanded.suffix not in suffixes:
             raise ConfigError(f"dataset '{dataset}' reads {wanted} files; '{path}' is not one.")
         return [expanded]
+    elif (kind := special_kind(expanded)) is not None:
+        raise ConfigError(f"dataset '{dataset}': path '{path}' is {kind}, not a file or a directory of {wanted} files.")
     else:
         raise ConfigError(f"dataset '{dataset}': path '{path}' does not exist.")
     if not files:
         raise ConfigError(f"dataset '{dataset}': {where} holds no {wanted} files.")
     return files
+
+
+def special_kind(path: Path) -> str | None:
+    """What ``path`` is when it exists but is neither a regular file nor a directory (a FIFO
+    would block the reader until a writer comes); None otherwise."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"))
+    kinds += ((stat.S_ISBLK, "a block device"),)
+    return next((name for test, name in kinds if test(mode)), None)
 
 
 def expand_glob(pattern: Path) -> list[Path]:

@@ -98,6 +98,11 @@ def build_hf_text(options: Any, context: DataContext) -> Any:
     rows = load_rows(options)
     field = "text" if options.format == "text" else options.text_field
     tokens = pack_documents(_documents(rows, field, options.eval_fraction, context.split), tokenizer)
+    if len(tokens) == 0 and next(_documents(rows, field, 0.0, "train"), None) is None:  # no split: all of it
+        raise ConfigError(
+            f"dataset 'hf_text' ('{options.path}') holds no text: its {len(rows)} rows are all blank (an empty "
+            "file?); point path at the corpus, or fill it."
+        )
     if context.split == "eval" and len(tokens) == 0:
         raise ConfigError(
             f"the eval split of dataset 'hf_text' ('{options.path}', {len(rows)} documents) is empty; raise "

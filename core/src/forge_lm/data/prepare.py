@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from forge_lm.data.files import expand_glob
+from forge_lm.data.files import expand_glob, special_kind
 from forge_lm.data.shards import metadata_path, token_dtype, write_shard_metadata
 from forge_lm.errors import ForgeError
 from forge_lm.run_links import link_error, open_to_write
@@ -51,6 +51,8 @@ def resolve_inputs(inputs: Sequence[str], format: str) -> list[Path]:
             files.extend(found)
         elif matches := sorted(m for m in expand_glob(path) if m.is_file()):
             files.extend(matches)
+        elif (kind := special_kind(path)) is not None:
+            raise ForgeError(f"input '{name}' is {kind}, not a file or a directory of {format} files.")
         else:
             raise ForgeError(f"input '{name}' does not exist (nor matches any file).")
     return files
