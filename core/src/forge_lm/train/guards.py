@@ -320,10 +320,21 @@ def _mark_layers(model: nn.Module, config: ForgeConfig, registry: Any, family: A
     return [module for module in model.modules() if isinstance(module, ChecksOnDevice)]
 
 
+def _same_layout(output: torch.Tensor, given: torch.Tensor) -> bool:
+    """The output has the input's shape; under tensor parallelism (the input a DTensor holding
+    the gathered sequence) the layer's plan hands back this rank's slice of the sequence, so
+    only the batch and the width must agree."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(given, DTensor) and not isinstance(output, DTensor):
+        return output.ndim == given.ndim and (output.shape[0], output.shape[-1]) == (given.shape[0], given.shape[-1])
+    return output.shape == given.shape
+
+
 def _check_output(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
     """A feed-forward layer maps ``[batch, seq, dim]`` to a tensor of the same shape (metadata only)."""
     given = inputs[0] if inputs else None
-    if isinstance(output, torch.Tensor) and isinstance(given, torch.Tensor) and output.shape == given.shape:
+    if isinstance(output, torch.Tensor) and isinstance(given, torch.Tensor) and _same_layout(output, given):
         return
     if isinstance(output, torch.Tensor):
         got = f"a tensor of shape {list(output.shape)}"
