@@ -68,7 +68,7 @@ from forge_lm.data.loader import BatchLoader
 from forge_lm.errors import ConfigError
 from forge_lm.metrics.mfu import gpu_peak_with_source
 from forge_lm.model import build_model
-from forge_lm.model.flops import active_parameter_count, flops_per_token
+from forge_lm.model.flops import active_parameter_count, model_flops_per_token
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.train import loop
 from forge_lm.train.builders import build_dataset
@@ -270,7 +270,7 @@ def model_info(overrides: list[str], settings: PluginSettings) -> dict[str, Any]
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "active": active,
-        "flops_per_token": flops_per_token(config.model, active, config.train.seq_len),
+        "flops_per_token": model_flops_per_token(model, config.train.seq_len),
         "tokens_per_step": config.train.batch_size * config.train.seq_len * config.train.grad_accum_steps,
     }
 

@@ -667,7 +667,7 @@ def main() -> None:
     print("first step, same weights and batch: " + "; ".join(same))
 
     cached = cpu_peak_flops(torch.float32) if fp32.device.type == "cpu" else fp32.peak
-    model = cfg.model
+    model = cfg.model.options
     has = [flag for flag in ("avx512f", "avx512_bf16", "amx_bf16") if features.get(flag)]
     sentences = [
         f"CPU: {features.get('model', 'unknown')}, with {', '.join(has) or 'none of avx512f, avx512_bf16, amx_bf16'}"

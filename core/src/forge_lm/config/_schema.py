@@ -246,9 +246,11 @@ class TrainSection:
         default="auto",
         validator=one_of("auto", "onednn", "aten"),
         metadata=_doc(
-            "Kernel of the model's fp32 linear layers on CPU: 'onednn' (about 2x MKL's sgemm on AMD EPYC), "
-            "'aten' (torch's default, bitwise equal to a plain PyTorch model), 'auto': oneDNN where this torch "
-            "has it. CUDA, bf16 autocast and tensor-parallel layers always use torch's own."
+            "Kernel of the model's fp32 linear layers on CPU: 'onednn' (about 2x MKL's sgemm on one AMD EPYC, "
+            "slower on an Intel Xeon with AMX), 'aten' (torch's default, bitwise equal to a plain PyTorch model), "
+            "'auto': oneDNN where it measured at least 1.1x faster on the model's own products on this host "
+            "(cached per CPU, only when measured on an idle machine). CUDA, bf16 autocast and tensor-parallel "
+            "layers always use torch's own."
         ),
     )
     cpu_keep_freed_memory: bool = attrs.field(

@@ -40,11 +40,42 @@ def onednn_available() -> bool:
 _enabled = onednn_available()
 
 
+# The shapes "auto" was last decided for in this process (forge_lm.model.linear_choice); the
+# default model's products (2048 tokens, dim 256, SwiGLU hidden 704, 257 byte tokens) before any.
+_auto_shapes: tuple[tuple[int, int, int], ...] = (
+    (2048, 256, 256),
+    (2048, 256, 704),
+    (2048, 704, 256),
+    (2048, 256, 257),
+)
+
+
 def resolve_kernel(kernel: str) -> bool:
-    """Whether ``[train] cpu_linear_kernel = kernel`` means oneDNN on this machine."""
+    """Whether ``[train] cpu_linear_kernel = kernel`` means oneDNN on this machine: for
+    ``"auto"``, where it measured faster than torch's own kernel on the products last chosen
+    for (:func:`choose_auto`; :mod:`forge_lm.model.linear_choice`)."""
     if kernel not in KERNELS:
         raise ValueError(f"cpu_linear_kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    return kernel != "aten" and onednn_available()
+    if kernel == "aten" or not onednn_available():
+        return False
+    if kernel == "onednn":
+        return True
+    from forge_lm.model.linear_choice import choose
+
+    return choose(_auto_shapes).onednn
+
+
+def choose_auto(shapes: list[tuple[int, int, int]]) -> str:
+    """Decide ``"auto"`` for these ``(tokens, in, out)`` products from now on; returns why
+    (the verdict, measured or cached), for the run's start event."""
+    global _auto_shapes
+    if not onednn_available():
+        return "torch's (aten): this torch build has no oneDNN linear kernel"
+    from forge_lm.model.linear_choice import choose
+
+    if shapes:
+        _auto_shapes = tuple(sorted(set(shapes)))
+    return choose(_auto_shapes).reason
 
 
 def set_kernel(kernel: str) -> bool:

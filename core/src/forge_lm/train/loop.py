@@ -58,8 +58,11 @@ from forge_lm.model import build_model
 from forge_lm.model.capabilities import check_capabilities
 from forge_lm.model.flops import model_flops_per_token
 from forge_lm.model.init import materialize
+from forge_lm.model.linear import choose_auto as choose_auto_kernel
 from forge_lm.model.linear import kernel_in_use as linear_kernel_in_use
+from forge_lm.model.linear import resolve_kernel as resolve_linear_kernel
 from forge_lm.model.linear import set_kernel as set_linear_kernel
+from forge_lm.model.linear_choice import linear_shapes
 from forge_lm.model.memory import check_memory, model_vocab_size
 from forge_lm.plugins import PluginManager
 from forge_lm.plugins._calls import PluginHookFailed
@@ -133,6 +136,7 @@ class _Parts:
     context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in its sequence-splitting group
     cpu_memory: str = _NOT_A_CPU_RUN  # what [train] cpu_keep_freed_memory did (forge_lm.train.cpu_memory)
     guards: Guards | None = None  # the calls into the components, each failure named (forge_lm.train.guards)
+    kernel_reason: str = ""  # why the fp32 CPU linear products take the kernel they take
 
     @property
     def pp_group(self) -> Any:
@@ -147,6 +151,20 @@ def _choose_linear_kernel(kernel: str, device: torch.device) -> None:
             "[train] cpu_linear_kernel = 'onednn', but this torch build has no oneDNN (mkldnn) linear kernel; "
             "set it to 'auto' or 'aten'."
         )
+
+
+def _decide_auto_kernel(config: ForgeConfig, model: torch.nn.Module, device: torch.device, dtype: Any) -> str:
+    """For ``cpu_linear_kernel = "auto"`` in an fp32 CPU run: the kernel measured faster on
+    this model's products (forge_lm.model.linear_choice), the same on every rank (oneDNN only
+    where every rank chose it); why, for the start event. Otherwise what was configured."""
+    kernel = config.train.cpu_linear_kernel
+    if kernel != "auto" or device.type != "cpu" or dtype is not None:
+        return f"configured: {kernel}" if kernel != "auto" else "auto: not an fp32 CPU run"
+    tokens = config.train.batch_size * config.train.seq_len
+    reason = choose_auto_kernel(linear_shapes(model, tokens))
+    onednn = not agree(not resolve_linear_kernel("auto"))  # one rank choosing torch's makes it every rank's
+    set_linear_kernel("onednn" if onednn else "aten")
+    return reason
 
 
 def _cpu_memory(keep: bool, device: torch.device) -> str:
@@ -189,6 +207,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         config.model, vocab_size, registry, seed=config.train.seed, device="meta" if on_meta else device
     )
     check_capabilities(model, config, dims)  # before any transform: a layout the family cannot run is refused
+    kernel_reason = _decide_auto_kernel(config, model, device, dtype)
     guards = Guards(config, registry, model)  # before the transforms: a compiled layer keeps its output check
     flops = model_flops_per_token(model, config.train.seq_len)
     context_parallel = None
@@ -253,6 +272,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         flops_per_token=flops,
         **_peak(device, dtype, config.metrics.peak_flops, dims.world_size),
         guards=guards,
+        kernel_reason=kernel_reason,
         context_parallel=context_parallel,
         cpu_memory=cpu_memory,
     )
@@ -325,6 +345,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
         plugins=manager.manifest(),
         plugins_hash=manager.manifest_hash(),
         cpu_linear_kernel=linear_kernel_in_use(),
+        cpu_linear_kernel_reason=parts.kernel_reason,
         cpu_memory=parts.cpu_memory,
     )
     checkpoints = CheckpointManager(run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save)
