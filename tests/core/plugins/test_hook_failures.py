@@ -556,15 +556,17 @@ def test_sys_exit_in_a_hook_is_a_plugin_failure_not_the_end_of_the_process(forge
     assert latest(run_dir) == "step_1"
 
 
-def test_keyboard_interrupt_in_a_hook_is_an_interruption(forge, run_dir):
+def test_keyboard_interrupt_raised_by_a_hook_without_a_ctrl_c_is_the_plugins_failure(forge, run_dir):
+    # No SIGINT reached the process: the plugin raised it itself, so it is the plugin's failure
+    # (exit 4, the finished step saved), not the user's interruption (130).
     faults = Faults("step_end", at=3, error=KeyboardInterrupt())
 
     code, err = forge(faulty_manager(("faults", faults)))
 
-    assert code == 130
-    assert first_forge_line(err) == "forge: interrupted"
-    assert latest(run_dir) == "step_2"
-    assert faults.calls[-1] == ("train_end", "interrupted")
+    assert code == 4
+    assert first_forge_line(err).startswith(f"forge: error: {LABEL} raised in forge_lm_step_end: KeyboardInterrupt")
+    assert latest(run_dir) == "step_3"
+    assert faults.calls[-1] == ("train_end", "failed")
 
 
 # -- train_end: a warning; the run's outcome stands ---------------------------------------------------
