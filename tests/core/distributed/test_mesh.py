@@ -67,3 +67,24 @@ def test_dp_shard_must_be_positive_or_minus_one(manager, value) -> None:
     with pytest.raises(ConfigError) as caught:
         _config(manager, f"--distributed.dp_shard={value}")
     assert "dp_shard" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "needed", "lower"),
+    [
+        (("--distributed.ep=2",), 1, 2, "--distributed.ep=1"),
+        (("--distributed.ep=2", "--distributed.tp=2"), 2, 4, "--distributed.tp=1 --distributed.ep=1"),
+        (("--distributed.tp=2",), 1, 2, "--distributed.tp=1"),
+        (("--distributed.dp_shard=2",), 1, 2, "--distributed.dp_shard=-1"),
+    ],
+)
+def test_a_layout_larger_than_the_launch_says_how_many_processes_and_both_fixes(
+    manager, overrides, world, needed, lower
+) -> None:
+    """Issue 36: `ep = 2` on one process said only "ep = 2 must divide dp_shard = 1"."""
+    with pytest.raises(ConfigError) as caught:
+        ParallelDims.resolve(_config(manager, "--train.grad_accum_steps=2", *overrides), world)
+    message = str(caught.value)
+    assert f"torchrun --nproc_per_node={needed} -m forge_lm train" in message
+    assert f"fit the layout to {world} process" in message and lower in message
+    assert "must divide dp_shard" not in message

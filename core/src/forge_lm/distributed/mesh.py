@@ -84,13 +84,16 @@ class ParallelDims:
         section: DistributedSection = config.distributed
         fixed = section.dp_replicate * section.tp * section.pp * section.cp
         dp_shard = section.dp_shard
-        cp_text = f" * cp = {section.cp}" if section.cp > 1 else ""
         if dp_shard == -1:
-            if world_size % fixed:
+            # dp_shard fills the rest; with ep > 1 it must hold a whole number of ep groups.
+            unit = fixed * section.ep
+            if world_size % unit:
+                names = ["dp_replicate", "tp", "pp"] + [n for n in ("cp", "ep") if getattr(section, n) > 1]
+                values = " * ".join(str(getattr(section, n)) for n in names)
                 raise ConfigError(
-                    f"[distributed] dp_replicate * tp * pp = {section.dp_replicate} * {section.tp} * {section.pp}"
-                    f"{cp_text} = {fixed} does not divide the world size {world_size}; change the degrees or the "
-                    "number of processes (torchrun --nproc_per_node)."
+                    f"[distributed] {' * '.join(names)} = {values} = {unit} does not divide the world size "
+                    f"{world_size}: this layout runs on a multiple of {unit} processes. "
+                    + _launch_fixes(unit, world_size, section)
                 )
             dp_shard = world_size // fixed
         dims = cls(
@@ -101,8 +104,8 @@ class ParallelDims:
             raise ConfigError(
                 f"[distributed] pp * dp_replicate * dp_shard * {'cp * ' if section.cp > 1 else ''}tp = {section.pp} "
                 f"* {section.dp_replicate} * {dp_shard}{cp_factor} * {section.tp} = {dims.world_size}, but "
-                f"{world_size} processes were launched; the degrees must multiply to the world size (set "
-                "dp_shard = -1 to fill the rest)."
+                f"{world_size} processes were launched; the degrees must multiply to the world size. "
+                + _launch_fixes(dims.world_size, world_size, section, fill="set dp_shard = -1 to fill the rest")
             )
         dims.check(config)
         return dims
@@ -197,6 +200,22 @@ def dp_coordinates(mesh: ForgeMesh | None) -> tuple[int, int]:
         return 0, 1
     dp = mesh["dp"]
     return dp.get_local_rank(), dp.size()
+
+
+def _launch_fixes(needed: int, launched: int, section: DistributedSection, fill: str | None = None) -> str:
+    """The two ways out of a layout that does not fit the processes launched: launch as many as
+    it needs, or lower the degrees that ask for more (each named as the override to type)."""
+    lower = [
+        f"--distributed.{name}=1" for name in ("tp", "pp", "cp", "ep", "dp_replicate") if getattr(section, name) > 1
+    ]
+    if section.dp_shard > 1:
+        lower.append("--distributed.dp_shard=-1")
+    fixes = [f"launch {needed} processes (torchrun --nproc_per_node={needed} -m forge_lm train ...)"]
+    if lower:
+        fixes.append(f"fit the layout to {launched} process{'es' if launched != 1 else ''} with {' '.join(lower)}")
+    if fill:
+        fixes.append(fill)
+    return "Either " + ", or ".join(fixes) + "."
 
 
 def _context_parallel_problems(dims: ParallelDims, config: ForgeConfig) -> list[str]:
