@@ -84,6 +84,7 @@ def test_bytes_tokenizer_decodes_any_byte_sequence_as_forge_does(bytes_dir):
 def test_bytes_tokenizer_names_the_end_of_text_id_and_no_beginning(bytes_dir):
     hf = auto_tokenizer(bytes_dir)
     assert (hf.eos_token, hf.eos_token_id, hf.bos_token_id) == ("<|endoftext|>", 256, None)
+    assert hf.pad_token is None  # the bytes tokenizer has no padding id
     assert hf.model_max_length == 64
     assert json.loads((bytes_dir / "tokenizer_config.json").read_text())["clean_up_tokenization_spaces"] is False
 
@@ -115,6 +116,11 @@ def test_hf_tokenizer_is_copied_as_it_is_and_names_its_end_of_text_token(trained
     assert (tmp_path / "tokenizer.json").read_bytes() == trained_tokenizer.read_bytes()
     hf = auto_tokenizer(tmp_path)
     assert (hf.eos_token, hf.eos_token_id, hf.bos_token_id) == (forge.eos_token, forge.eos_id, None)
+    # forge train-tokenizer's <|pad|> (id 1) is the padding token transformers pads batches with
+    assert (hf.pad_token, hf.pad_token_id) == ("<|pad|>", 1)
+    padded = hf(["a", "a longer text"], padding=True)["input_ids"]
+    assert padded[0][-1] == 1
+    assert len(padded[0]) == len(padded[1])
     for text in TEXTS:
         ids = forge.encode(text)
         assert hf.encode(text, add_special_tokens=False) == ids

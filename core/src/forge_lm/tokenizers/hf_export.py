@@ -12,11 +12,13 @@ text, so the exported model scores and writes raw text as the Forge model does.
   ``bytes(...).decode("utf-8", errors="replace")`` does (a byte-fallback decoder would not).
 * ``hf``: the run's ``tokenizer.json``, copied as it is.
 
-Both get a ``tokenizer_config.json`` naming the end-of-text token (and no beginning-of-text
-token: Forge adds none), with ``clean_up_tokenization_spaces`` off so decoding keeps every
-space. Like any special token of the ``tokenizers`` library, the literal text
-``<|endoftext|>`` encodes as the special id in Hugging Face form, where Forge's ``bytes``
-tokenizer encodes its 13 bytes. Other tokenizers (a plugin's) have no known Hugging Face form.
+Both get a ``tokenizer_config.json`` naming the end-of-text token, the padding token where the
+tokenizer has one (``<|pad|>`` of ``forge train-tokenizer``, or another usual padding special
+token; the ``bytes`` tokenizer has none), and no beginning-of-text token (Forge adds none),
+with ``clean_up_tokenization_spaces`` off so decoding keeps every space. Like any special token
+of the ``tokenizers`` library, the literal text ``<|endoftext|>`` encodes as the special id in
+Hugging Face form, where Forge's ``bytes`` tokenizer encodes its 13 bytes. Other tokenizers (a
+plugin's) have no known Hugging Face form.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ def save_hf_tokenizer(tokenizer: Any, out_dir: str | Path, model_max_length: int
     if content is not None:
         write_export_file(out / TOKENIZER_FILE, content)
     special = {"eos_token": tokenizer.eos_token}
+    pad = padding_token(tokenizer)
+    if pad is not None:  # batched generation and evaluation in transformers pad with it
+        special["pad_token"] = pad
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
@@ -78,6 +83,19 @@ def save_hf_tokenizer(tokenizer: Any, out_dir: str | Path, model_max_length: int
     write_export_file(out / TOKENIZER_CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode("utf-8"))
     write_export_file(out / SPECIAL_TOKENS_MAP_FILE, (json.dumps(special, indent=2) + "\n").encode("utf-8"))
     return names
+
+
+USUAL_PADDING_TOKENS = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
+
+
+def padding_token(tokenizer: Any) -> str | None:
+    """The first usual padding token that is one of ``tokenizer``'s special (added) tokens, or
+    None (the ``bytes`` tokenizer has no padding id)."""
+    if not isinstance(tokenizer, HfTokenizer):
+        return None
+    added = tokenizer._tokenizer.get_added_tokens_decoder().values()
+    specials = {token.content for token in added if token.special}
+    return next((token for token in USUAL_PADDING_TOKENS if token in specials), None)
 
 
 def is_same_file(source: str | Path, target: Path) -> bool:
