@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-PACKAGES := core plugins/forge-moe plugins/forge-deepseek plugins/forge-optim-muon plugins/forge-wandb plugins/forge-prometheus plugins/forge-lm-eval plugins/forge-float8
+PACKAGES := core plugins/forge-moe plugins/forge-deepseek plugins/forge-optim-muon plugins/forge-wandb plugins/forge-prometheus plugins/forge-lm-eval plugins/forge-float8 plugins/forge-vlm
 STAMP := $(VENV)/.forge-installed
 
 .PHONY: setup demo test lint format clean bench dist
