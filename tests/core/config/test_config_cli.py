@@ -89,7 +89,25 @@ def test_show_prints_exactly_the_dump_of_the_resolved_config(forge_cli, write_to
     path = write_toml(RUN_TOML)
     result = forge_cli("config", "show", str(path), "--train.max_steps=7")
     expected = to_toml(load_config(path, ["--train.max_steps=7"], PluginManager(PluginSettings()).registry))
-    assert (result.returncode, result.stdout) == (0, expected)
+    assert result.returncode == 0
+    assert result.stdout.startswith(expected)
+    # then, as comments, what the run derives from values left unset (issue 36: vocab_size was missing)
+    derived = result.stdout[len(expected) :]
+    assert derived == (
+        "\n# Unset above, derived when the run starts:\n"
+        "#   [model] vocab_size = 257 (the tokenizer's vocabulary)\n"  # the bytes tokenizer: 256 bytes and eos
+        "#   [model] head_dim = 64 (dim / n_heads)\n"  # 256 / 4; n_kv_heads is set in RUN_TOML
+    ), derived
+    assert tomllib.loads(result.stdout) == tomllib.loads(expected)
+
+
+def test_show_names_what_it_cannot_derive_and_every_unset_size(forge_cli):
+    result = forge_cli("config", "show", "--tokenizer.name=hf", "--tokenizer.path=missing.json")
+    assert result.returncode == 0
+    tail = result.stdout.split("# Unset above, derived when the run starts:\n")[1]
+    assert tail.startswith("#   [model] vocab_size = the tokenizer's vocabulary (not read here: [tokenizer] path:")
+    assert "#   [model] n_kv_heads = 4 (n_heads: multi-head attention)\n" in tail
+    assert tail.endswith("#   [model] head_dim = 64 (dim / n_heads)\n")
 
 
 def test_a_plugins_configure_hook_rejection_makes_validate_exit_2(forge_cli, fake_site):

@@ -43,6 +43,7 @@ def run(args, overrides, plugins) -> int:
         # Also as TOML comments, so a config saved with `show > run.toml` still says what it lost.
         sys.stdout.write("".join(f"# {note}\n" for note in notes) + ("\n" if notes else ""))
         sys.stdout.write(to_toml(config))
+        sys.stdout.write(_derived_values(config))
     else:
         from forge_lm.train.preflight import validation_report
 
@@ -50,3 +51,28 @@ def run(args, overrides, plugins) -> int:
         print(f"{path or 'the default config'} is valid.")
         print(report)
     return 0
+
+
+def _derived_values(config) -> str:
+    """The values left unset in the config ("derive it") as a run resolves them, as TOML
+    comments: a config saved with ``show > run.toml`` keeps deriving them (a tokenizer changed
+    later still sizes the vocabulary), and the reader still sees every number the run uses."""
+    from forge_lm.config import model_options
+    from forge_lm.errors import ForgeError
+    from forge_lm.model.memory import model_vocab_size
+
+    options = model_options(config)
+    lines = []
+    if getattr(options, "vocab_size", 0) is None:
+        try:
+            size = f"{model_vocab_size(config, config.tokenizer.build())} (the tokenizer's vocabulary)"
+        except ForgeError as error:  # a tokenizer file not there yet: say so, the rest still shows
+            size = "the tokenizer's vocabulary (not read here: " + " ".join(str(error).split()) + ")"
+        lines.append(f"[model] vocab_size = {size}")
+    if getattr(options, "n_kv_heads", 0) is None and hasattr(options, "kv_heads"):
+        lines.append(f"[model] n_kv_heads = {options.kv_heads} (n_heads: multi-head attention)")
+    if getattr(options, "head_dim", 0) is None and hasattr(options, "head_size"):
+        lines.append(f"[model] head_dim = {options.head_size} (dim / n_heads)")
+    if not lines:
+        return ""
+    return "\n# Unset above, derived when the run starts:\n" + "".join(f"#   {line}\n" for line in lines)
