@@ -26,7 +26,11 @@ setup: $(STAMP)
 # Forge's main job: train the embedded default model (Python's standard library as text, no
 # download) for 200 steps on the CPU, into a new run directory each time.
 demo: setup
-	$(VENV)/bin/forge train --train.output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)
+	@run=runs/demo-$$(date +%Y%m%d-%H%M%S); \
+	$(VENV)/bin/forge train --train.output_dir=$$run && \
+	printf '%s\n' '' 'Next: activate the environment, then try the commands of the README'"'"'s "Using Forge":' \
+		'  . .venv/bin/activate' "  forge generate $$run --prompt 'def ' --temperature 0.8" \
+		"  forge plot $$run" '  forge train configs/debug.toml' '  forge list-plugins'
 
 test: setup lint
 	$(PY) -m pytest

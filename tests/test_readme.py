@@ -92,7 +92,9 @@ def test_readme_run_directories_are_the_ones_forge_and_make_demo_write():
     text = README.read_text()
     assert USING_COMMANDS[1] == ["forge", "train"]  # the first command trains the run the next ones use
     assert f"into {TrainSection().output_dir}" in USING_FORGE.group(1)
-    assert "--train.output_dir=runs/demo-$$(date +%Y%m%d-%H%M%S)" in (README.parent / "Makefile").read_text()
+    makefile = (README.parent / "Makefile").read_text()
+    assert "run=runs/demo-$$(date +%Y%m%d-%H%M%S)" in makefile
+    assert "--train.output_dir=$$run" in makefile
     assert "`runs/demo-<date>-<time>`" in text
 
 
