@@ -32,6 +32,7 @@ class DataContext:
     split: str = "train"  # "train", or "eval" for the held-out split the dataset defines
     tokenizer: Any = None  # a Tokenizer, for datasets that read text
     registry: Any = None  # the component registry, for datasets that compose others (a mixture)
+    model: Any = None  # the [model] section's options (the family's), for data the model shapes (image tokens)
 
 
 @attrs.frozen
@@ -287,6 +288,18 @@ class ShardedByBlocks(Protocol):
 
 
 @runtime_checkable
+class WrapsBlocks(Protocol):
+    """A model whose blocks another module can wrap in place: forge-vlm's cross-attention layers
+    run between a language family's blocks this way. A wrapper is called as the block is (the
+    hidden state ``[B, T, dim]`` first, then the family's own arguments) and returns the hidden
+    state; it becomes the block (``blocks()`` lists it: FSDP2 and activation checkpointing take
+    it as the unit)."""
+
+    def wrap_blocks(self, wrap: Any) -> None:
+        """Replace each block ``i`` (its global index) by ``wrap(i, block)``."""
+
+
+@runtime_checkable
 class TensorParallelModel(Protocol):
     """A model ``[distributed] tp > 1`` can split. The plan covers the modules outside the blocks;
     each block's attention and feed-forward must be :class:`TensorParallelizable` too."""
@@ -356,6 +369,57 @@ class WindowedAttention(Protocol):
     included); the model builds its masks with that limit."""
 
     window: int
+
+
+@runtime_checkable
+class TakesBatchInputs(Protocol):
+    """A model whose ``forward`` takes more of a batch than its token ids: ``batch_inputs`` names
+    the batch keys (besides ``input_ids``, ``labels``, ``document_ids`` and ``positions``) passed
+    as keyword arguments, ``model(input_ids, document_ids, pixel_values=batch["pixel_values"])``,
+    by the training loop, the evaluation loss, ``forge generate`` and ``load_pretrained``; a key
+    missing from a batch is not passed. Pipeline and context parallelism carry only the token
+    ids, and are refused for a model that names any."""
+
+    batch_inputs: tuple[str, ...]
+
+
+def batch_inputs(model: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments ``model`` takes from ``batch`` (:class:`TakesBatchInputs`): each name
+    it declares that ``batch`` holds; nothing for a model that declares none."""
+    return {name: batch[name] for name in declared_batch_inputs(model) if name in batch}
+
+
+def declared_batch_inputs(model: Any) -> tuple[str, ...]:
+    """The names ``model.batch_inputs`` declares, checked: a plugin's model is untrusted."""
+    if not isinstance(model, TakesBatchInputs):
+        return ()
+    names = model.batch_inputs
+    if not isinstance(names, tuple | list) or not all(isinstance(name, str) and name for name in names):
+        raise TypeError(
+            f"{type(model).__name__}.batch_inputs must be a tuple of batch key names (str), got {names!r}; "
+            "this is a bug in the model family's plugin."
+        )
+    reserved = {"input_ids", "labels", "document_ids", "positions"} & set(names)
+    if reserved:
+        raise TypeError(
+            f"{type(model).__name__}.batch_inputs names {sorted(reserved)}, which the core passes itself; "
+            "this is a bug in the model family's plugin."
+        )
+    return tuple(names)
+
+
+@runtime_checkable
+class RunsFromEmbeddings(Protocol):
+    """A language model another module can feed embeddings instead of token ids (a vision-language
+    model placing image features among the text's): ``embed(input_ids)`` gives the token
+    embeddings ``[B, T, dim]`` and ``forward_embeddings(h, document_ids, kv_cache, positions)``
+    runs the blocks, final norm and head from them, as ``forward`` does after its embedding."""
+
+    def embed(self, input_ids: Any) -> Any: ...
+
+    def forward_embeddings(
+        self, embeddings: Any, document_ids: Any = None, kv_cache: Any = None, positions: Any = None
+    ) -> Any: ...
 
 
 PARAMETER_ROLES = ("embedding", "output", "norm", "bias", "matrix")

@@ -21,6 +21,7 @@ from forge_lm.components import (
     ShardedByBlocks,
     TensorParallelizable,
     TensorParallelModel,
+    declared_batch_inputs,
 )
 from forge_lm.config import ForgeConfig
 from forge_lm.errors import ConfigError
@@ -59,6 +60,13 @@ def missing_capabilities(model: nn.Module, config: ForgeConfig, dims: Any) -> li
         )
     if dims.cp > 1:
         problems.extend(_context_parallel_problems(model, blocks, dims.cp))
+    inputs = declared_batch_inputs(model)
+    for size, setting, carries in ((dims.pp, "pp", "activations between stages"), (dims.cp, "cp", "token slices")):
+        if inputs and size > 1:
+            problems.append(
+                f"[distributed] {setting} = {size} passes only {carries}, and the model's forward takes the batch's "
+                f"{', '.join(inputs)} too (TakesBatchInputs); set {setting} = 1"
+            )
     return problems
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -144,6 +144,15 @@ class Transformer(nn.Module):
         layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
         return [block for block in layers if block is not None]
 
+    def wrap_blocks(self, wrap: Callable[[int, nn.Module], nn.Module]) -> None:
+        """Replace each block ``i`` by ``wrap(i, block)`` (:class:`~forge_lm.components.WrapsBlocks`):
+        a module called as the block is, returning the hidden state. Keys (global indices) are kept."""
+        if isinstance(self.layers, nn.ModuleDict):
+            for key in list(self.layers.keys()):
+                self.layers[key] = _wrapped(wrap, int(key), self.layers[key])
+        else:
+            self.layers = nn.ModuleList(_wrapped(wrap, i, block) for i, block in enumerate(self.layers))
+
     def tensor_parallel_plan(self) -> dict[str, Any]:
         """How ``tp`` splits the modules outside the blocks (those this model or stage holds):
         the embedding by vocabulary rows, the final norm over the sequence, the head by
@@ -236,6 +245,30 @@ class Transformer(nn.Module):
         if input_ids.ndim != (2 if embeds else 3):
             expected = "[batch, seq]" if embeds else "a hidden state [batch, seq, dim]"
             raise ForgeError(f"input_ids must be {expected}; got shape {tuple(input_ids.shape)}.")
+        h = self.tok_embeddings(input_ids) if embeds else input_ids  # [B, T, dim]
+        return self.forward_embeddings(h, document_ids, kv_cache, positions)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings ``[B, T, dim]`` of ``input_ids`` ``[B, T]``: what :meth:`forward`
+        runs the blocks on, for a model that places other embeddings among them (images)."""
+        if self.tok_embeddings is None:
+            raise ForgeError("this pipeline stage holds no token embedding; only the first stage embeds.")
+        if input_ids.ndim != 2:
+            raise ForgeError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}.")
+        return self.tok_embeddings(input_ids)
+
+    def forward_embeddings(
+        self,
+        embeddings: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward` from the embeddings ``[B, T, dim]`` on: the blocks, the final norm and
+        the head (a stage before the last: the hidden state). The arguments are :meth:`forward`'s."""
+        if embeddings.ndim != 3:
+            raise ForgeError(f"embeddings must be [batch, seq, dim]; got shape {tuple(embeddings.shape)}.")
+        input_ids = embeddings  # below, only its batch and sequence sizes and its device are read
         seq = input_ids.shape[1]
         start = kv_cache.length if kv_cache is not None else 0
         self._check_lengths(start, seq)
@@ -269,7 +302,7 @@ class Transformer(nn.Module):
                 masks[window] = self._windowed_mask(window, input_ids, document_ids, positions, kv_cache, start, seq)
             return masks[window]
 
-        h = self.tok_embeddings(input_ids) if embeds else input_ids  # [B, T, dim]
+        h = embeddings
         for layer in self.blocks():
             h = layer(h, cos, sin, *mask_for(layer), kv_cache)
         if kv_cache is not None:
@@ -339,6 +372,13 @@ class Transformer(nn.Module):
                 f"{where} exceeds the model's max_seq_len ({limit}); shorten the input or raise "
                 "[model] max_seq_len (RoPE tables are built up to it)."
             )
+
+
+def _wrapped(wrap: Callable[[int, nn.Module], nn.Module], index: int, block: nn.Module) -> nn.Module:
+    wrapped = wrap(index, block)
+    if not isinstance(wrapped, nn.Module):
+        raise ForgeError(f"wrap_blocks: the wrapper of block {index} is {type(wrapped).__name__}, not a torch.nn.Module.")
+    return wrapped
 
 
 def build_model(

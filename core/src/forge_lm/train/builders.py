@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from forge_lm.components import DataContext, EvaluatorContext, MetricsContext
-from forge_lm.config import ComponentConfig, ForgeConfig
+from forge_lm.config import ComponentConfig, ForgeConfig, model_options
 from forge_lm.metrics.guard import GuardedBackend
 from forge_lm.plugins import Registry
 from forge_lm.plugins._calls import (
@@ -48,6 +48,7 @@ def build_dataset(
         split=split,
         tokenizer=tokenizer,
         registry=registry,
+        model=model_options(config),
     )
     return (config.data if data is None else data).build(context)
 

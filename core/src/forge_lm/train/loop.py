@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from forge_lm import events
 from forge_lm.checkpoint import CheckpointManager
-from forge_lm.components import EvaluationPointOptimizer, EvaluatorContext
+from forge_lm.components import EvaluationPointOptimizer, EvaluatorContext, batch_inputs
 from forge_lm.config import ForgeConfig, model_options, to_data
 from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed import (
@@ -612,9 +612,11 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits, labels)`` of this rank's tokens of ``batch``: all of them, or under context
     parallelism its slice of every sequence (the loss is then the mean over that slice; the
-    slices are equal, so the mean of the group's losses is the loss of the whole batch)."""
+    slices are equal, so the mean of the group's losses is the loss of the whole batch). A model
+    that takes more of the batch (images: :class:`~forge_lm.components.TakesBatchInputs`) gets
+    those keys as keyword arguments; context parallelism is refused for it."""
     if context_parallel is None:
-        return model(batch["input_ids"], batch.get("document_ids")), batch["labels"]
+        return model(batch["input_ids"], batch.get("document_ids"), **batch_inputs(model, batch)), batch["labels"]
     batch = context_parallel.shard(batch)
     return model(batch["input_ids"], batch.get("document_ids"), positions=batch["positions"]), batch["labels"]
 
