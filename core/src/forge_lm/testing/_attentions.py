@@ -13,8 +13,6 @@ is initialised as a model initialises it, through :func:`forge_lm.model.init.ini
 
 from __future__ import annotations
 
-import contextlib
-import math
 from collections.abc import Iterator
 
 import attrs
@@ -22,17 +20,19 @@ import torch
 from torch import nn
 
 from forge_lm.components import AttentionSpec, RotaryAttention, TensorParallelizable, WindowedAttention
-from forge_lm.errors import ForgeError
+from forge_lm.testing._init import (
+    check_meta_build_equals_the_plain_build,
+    check_weights_depend_on_the_seed_only,
+    initialised,
+)
 from forge_lm.testing._kit import Subject, category_check, skip_check
 
 SPEC = AttentionSpec(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, n_layers=2, max_seq_len=64, rope_theta=10000.0)
 SEQ, BATCH = 16, 2
 LAYER_INDEX = 1  # not 0: a layer must store under its own index in a KV cache
-INIT_STD = 0.02
 BACKENDS = ("sdpa", "eager")  # the mask forms of a CPU run: SDPA's (None with is_causal, or boolean), eager's bias
 DEPENDENCY_TOLERANCE = 1e-6  # relative to the output's largest magnitude: rounding, not attention
 CACHE_TOLERANCE = 1e-5  # the same, for cached decoding against the full pass
-SEEDS = (1, 2)
 
 
 def _spec(subject: Subject, backend: str = "sdpa") -> AttentionSpec:
@@ -42,25 +42,7 @@ def _spec(subject: Subject, backend: str = "sdpa") -> AttentionSpec:
 def _build(subject: Subject, spec: AttentionSpec, seed: int = 0, device: str | None = None) -> nn.Module:
     """The layer built (on ``device``; from the meta device given memory on the CPU) and
     initialised as a model does it: its ``init_weights(init)`` or the default rule."""
-    from forge_lm.model.init import initialize
-
-    # As build_model: whatever the constructor draws from torch's generator leaves it as it was.
-    with torch.random.fork_rng(), torch.device(device) if device else contextlib.nullcontext():
-        layer = subject.build(spec, LAYER_INDEX)
-    assert isinstance(layer, nn.Module), (
-        f"{subject.label} returned {type(layer).__name__}; the kit expects a torch.nn.Module"
-    )
-    if device == "meta":
-        layer.to_empty(device="cpu")
-    try:
-        initialize(layer, seed, INIT_STD, INIT_STD / math.sqrt(2 * spec.n_layers))
-    except (ForgeError, RuntimeError, NotImplementedError) as exc:
-        where = " built on the meta device" if device == "meta" else ""
-        raise AssertionError(
-            f"{subject.label}{where} cannot be initialised: {str(exc).rstrip('.')}; the kit expects "
-            "init_weights(init) to set every parameter and buffer through the Initializer"
-        ) from exc
-    return layer
+    return initialised(subject, lambda: subject.build(spec, LAYER_INDEX), seed, spec.n_layers, device)
 
 
 def _window(layer: nn.Module) -> int | None:
@@ -178,30 +160,10 @@ def check_forward_is_deterministic_in_eval_mode(subject: Subject) -> None:
     )
 
 
-def _first_difference(a: nn.Module, b: nn.Module) -> str | None:
-    theirs = dict([*b.named_parameters(), *b.named_buffers()])
-    for name, tensor in [*a.named_parameters(), *a.named_buffers()]:
-        if not torch.equal(tensor.detach(), theirs[name].detach()):
-            gap = (tensor.detach().double() - theirs[name].detach().double()).abs().nan_to_num(float("inf"))
-            return f"{name} (up to {gap.max().item():.3g} apart)"
-    return None
-
-
 @category_check("attentions")
 def check_initial_weights_depend_on_the_seed_only(subject: Subject) -> None:
     spec = _spec(subject)
-    first, again = _build(subject, spec, SEEDS[0]), _build(subject, spec, SEEDS[0])
-    differs = _first_difference(first, again)
-    assert differs is None, (
-        f"{subject.label}: initialised twice with seed={SEEDS[0]} it gets different weights: {differs}; the kit "
-        "expects identical ones (set every value through the Initializer in init_weights(init), never with "
-        "torch.nn.init or torch's global generator)"
-    )
-    if any(True for _ in first.parameters()):
-        assert _first_difference(first, _build(subject, spec, SEEDS[1])) is not None, (
-            f"{subject.label}: seeds {SEEDS[0]} and {SEEDS[1]} give identical weights; the kit expects the seed to "
-            "change the random ones (init.normal draws from it)"
-        )
+    check_weights_depend_on_the_seed_only(subject, lambda: subject.build(spec, LAYER_INDEX), spec.n_layers)
 
 
 @category_check("attentions")
@@ -209,12 +171,7 @@ def check_meta_build_initialises_to_the_plain_build(subject: Subject) -> None:
     """Built on the meta device, given memory and initialised (what a sharded run does), the
     layer equals the one built in memory: values set in the constructor do not survive."""
     spec = _spec(subject)
-    differs = _first_difference(_build(subject, spec, SEEDS[0], device="meta"), _build(subject, spec, SEEDS[0]))
-    assert differs is None, (
-        f"{subject.label}: built on the meta device and initialised with seed={SEEDS[0]}, the layer differs from "
-        f"the one built in memory at {differs}; the kit expects them bitwise equal (values set in the constructor, "
-        "by torch.nn.init or torch.randn, are lost on the meta device: set them in init_weights(init))"
-    )
+    check_meta_build_equals_the_plain_build(subject, lambda: subject.build(spec, LAYER_INDEX), spec.n_layers)
 
 
 @category_check("attentions")

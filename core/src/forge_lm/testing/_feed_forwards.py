@@ -1,14 +1,22 @@
 """Feed-forward contract: ``factory(options, dim, layer_index) -> nn.Module`` mapping
-``[batch, seq, dim]`` to the same shape."""
+``[batch, seq, dim]`` to the same shape, initialised only through the
+:class:`~forge_lm.components.Initializer` (as a model initialises its layers:
+:func:`forge_lm.model.init.initialize`), deterministic in eval mode."""
 
 from __future__ import annotations
 
 import torch
 
 from forge_lm.components import CountsActiveParameters, TensorParallelizable
+from forge_lm.testing._init import (
+    check_meta_build_equals_the_plain_build,
+    check_weights_depend_on_the_seed_only,
+    initialised,
+)
 from forge_lm.testing._kit import Subject, category_check
 
 DIM = 32
+N_LAYERS = 2  # the model the layer is initialised for (its residual_std)
 
 
 @category_check("feed_forwards")
@@ -62,3 +70,32 @@ def check_the_capabilities_it_claims_are_well_formed(subject: Subject) -> None:
             f"{subject.label}: tensor_parallel_plan() names {missing}, which are not submodules of the layer "
             f"(it has {sorted(n for n in names if n)}); the kit expects names as named_modules() gives them"
         )
+
+
+def _layer(subject: Subject) -> torch.nn.Module:
+    return subject.build(DIM, 0)
+
+
+@category_check("feed_forwards")
+def check_forward_is_deterministic_in_eval_mode(subject: Subject) -> None:
+    layer = initialised(subject, lambda: _layer(subject), 0, N_LAYERS).eval()
+    x = torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        first, again = layer(x), layer(x)
+    gap = (first - again).abs().nan_to_num(float("inf")).max().item()
+    assert torch.equal(first, again), (
+        f"{subject.label}: in eval mode two passes over the same input give outputs up to {gap:.3g} apart; the kit "
+        "expects identical outputs (dropout or other randomness left on outside training? use self.training)"
+    )
+
+
+@category_check("feed_forwards")
+def check_initial_weights_depend_on_the_seed_only(subject: Subject) -> None:
+    check_weights_depend_on_the_seed_only(subject, lambda: _layer(subject), N_LAYERS)
+
+
+@category_check("feed_forwards")
+def check_meta_build_initialises_to_the_plain_build(subject: Subject) -> None:
+    """Built on the meta device, given memory and initialised (what a sharded run does), the
+    layer equals the one built in memory: values set in the constructor do not survive."""
+    check_meta_build_equals_the_plain_build(subject, lambda: _layer(subject), N_LAYERS)

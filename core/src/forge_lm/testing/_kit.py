@@ -36,10 +36,16 @@ class Subject:
     def label(self) -> str:
         return f"{singular(self.component.category)} '{self.component.name}'"
 
+    @property
+    def section(self) -> str:
+        """Where a user writes the component's options: ``model.ffn``, ``transforms.float8``, ..."""
+        return SECTIONS[self.component.category].format(name=self.component.name)
+
     def options(self, **overrides: Any) -> Any:
-        """The component's options: the kit's table with ``overrides``, validated by the core."""
+        """The component's options: the kit's table with ``overrides``, validated by the core
+        (a bad option is named as in the user's config: ``[model.ffn] hidden``)."""
         table = {**self.options_table, **overrides}
-        return structure_options(self.manager.registry, self.component, table, self.component.category)
+        return structure_options(self.manager.registry, self.component, table, self.section)
 
     def has_option(self, name: str) -> bool:
         return name in attrs.fields_dict(self.component.options_class)
@@ -47,6 +53,22 @@ class Subject:
     def build(self, *args: Any, options: Any = None, **kwargs: Any) -> Any:
         return self.component.build(self.options() if options is None else options, *args, **kwargs)
 
+
+SECTIONS: dict[str, str] = {
+    "optimizers": "optimizer",
+    "schedulers": "scheduler",
+    "losses": "loss",
+    "datasets": "data",
+    "metrics_backends": "metrics.{name}",
+    "tokenizers": "tokenizer",
+    "models": "model",
+    "attentions": "model.attention",
+    "feed_forwards": "model.ffn",
+    "routers": "model.ffn.router",
+    "model_transforms": "transforms.{name}",
+    "evaluators": "eval.{name}",
+}
+"""The config table that holds a component's options, per category, as users write it."""
 
 AIDS: dict[str, tuple[str, ...]] = {
     "losses": ("reference",),

@@ -1,9 +1,11 @@
 """Scheduler contract: ``factory(options, optimizer, total_steps) -> LRScheduler``.
 
-With ``warmup_steps = W`` the step with index ``s < W`` runs at ``base_lr * (s + 1) / W``.
-Every check runs a scheduler whose options have a ``warmup_steps`` field with a warmup: the
-options table's own ``warmup_steps`` when it sets one above 0, else :data:`WARMUP`; the
-warmup check is skipped, saying why, for options without that field.
+With a warmup of ``W`` steps the step with index ``s < W`` runs at ``base_lr * (s + 1) / W``.
+The warmup is the options' ``warmup_steps`` (:class:`forge_lm.components.WarmupOptions`'s
+field), or else their one integer field whose name holds ``warmup`` (``warmup``,
+``warmup_iters``, ...): a scheduler is checked whatever it calls it. Every check runs a
+scheduler that has one with a warmup: the options table's own value when it sets one above
+0, else :data:`WARMUP`; the warmup check is skipped, saying why, for options without one.
 """
 
 from __future__ import annotations
@@ -20,17 +22,29 @@ TOTAL, WARMUP = 100, 4
 RESUME_AT = 37
 
 
-def _warmup(subject: Subject) -> int | None:
-    """The warmup the checks run with, or None when the options have no ``warmup_steps``."""
-    if not subject.has_option("warmup_steps"):
+def warmup_field(options_class: type) -> str | None:
+    """The field of a scheduler's options that holds its warmup (in steps), or None."""
+    fields = attrs.fields_dict(options_class)
+    if "warmup_steps" in fields:
+        return "warmup_steps"
+    named = [
+        name for name, field in fields.items() if "warmup" in name.lower() and field.type in (int, "int", "int | None")
+    ]
+    return named[0] if len(named) == 1 else None
+
+
+def _warmup(subject: Subject) -> tuple[str, int] | None:
+    """The warmup field and the warmup the checks run with, or None when the options have none."""
+    field = warmup_field(subject.component.options_class)
+    if field is None:
         return None
-    return int(subject.options_table.get("warmup_steps") or WARMUP)
+    return field, int(subject.options_table.get(field) or WARMUP)
 
 
 def _options(subject: Subject) -> object:
     options = subject.options()
     warmup = _warmup(subject)
-    return options if warmup is None else attrs.evolve(options, warmup_steps=warmup)
+    return options if warmup is None else attrs.evolve(options, **{warmup[0]: warmup[1]})
 
 
 def _schedule(subject: Subject, steps: int, state: tuple[object, object] | None = None) -> tuple[list[float], tuple]:
@@ -54,15 +68,16 @@ def _schedule(subject: Subject, steps: int, state: tuple[object, object] | None 
 
 @category_check("schedulers")
 def check_follows_the_documented_warmup(subject: Subject) -> None:
-    warmup = _warmup(subject)
-    if warmup is None:
+    found = _warmup(subject)
+    if found is None:
         skip_check(
             f"{subject.label}: its options ({subject.component.options_class.__name__}) have no warmup_steps "
-            "field, so there is no documented warmup to check"
+            "field (nor one integer field named for a warmup), so there is no documented warmup to check"
         )
+    field, warmup = found
     rates, _ = _schedule(subject, TOTAL)
     assert rates[0] > 0, (
-        f"{subject.label} with warmup_steps={warmup} runs its first step at learning rate {rates[0]}; "
+        f"{subject.label} with {field}={warmup} runs its first step at learning rate {rates[0]}; "
         f"the kit expects (0 + 1) / {warmup} = {1 / warmup:g} times the base rate (1.0)"
     )
     expected = [(s + 1) / warmup for s in range(warmup)]
@@ -70,7 +85,7 @@ def check_follows_the_documented_warmup(subject: Subject) -> None:
         (s, r, e) for s, (r, e) in enumerate(zip(rates, expected, strict=False)) if not math.isclose(r, e, rel_tol=1e-9)
     ]
     assert not wrong, (
-        f"{subject.label} with warmup_steps={warmup} gives {rates[:warmup]} over the warmup; the kit expects "
+        f"{subject.label} with {field}={warmup} gives {rates[:warmup]} over the warmup; the kit expects "
         f"(s + 1) / W = {expected} (relative tolerance 1e-9); first difference at step {wrong[0][0]}: "
         f"{wrong[0][1]} instead of {wrong[0][2]}"
     )
