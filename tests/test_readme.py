@@ -161,4 +161,4 @@ def test_readme_demo_loss_starts_where_the_readme_says_and_step_1_is_logged(tmp_
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == [1, 2]
     assert records[0]["loss"] == pytest.approx(start, abs=0.1)
-    assert capsys.readouterr().out.count("\nstep 1 | loss ") == 1
+    assert capsys.readouterr().out.count("\nstep 1/") == 1

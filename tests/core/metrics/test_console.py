@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -12,7 +13,7 @@ from rich.console import Console
 from forge_lm.components import MetricsContext
 from forge_lm.config import structure_options
 from forge_lm.errors import ConfigError
-from forge_lm.metrics.console import ConsoleBackend
+from forge_lm.metrics.console import ConsoleBackend, plugins_line
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.testing._references import read_console
 
@@ -28,6 +29,15 @@ def build(manager, total_steps=0, **table) -> ConsoleBackend:
     component = manager.registry.resolve("metrics_backends", "console")
     options = structure_options(manager.registry, component, table, "metrics.console")
     return component.build(options, MetricsContext(run_dir=".", total_steps=total_steps))
+
+
+@pytest.fixture(autouse=True)
+def frozen_time(monkeypatch):
+    """No time passes in these tests, so plain lines read ``[0:00]`` (and ``<0:00`` once a rate
+    is known) whatever the machine's speed; the timing itself is tested with a fake clock."""
+    import forge_lm.metrics.console as console
+
+    monkeypatch.setattr(console, "time", SimpleNamespace(monotonic=lambda: 0.0))
 
 
 class FakeTerminal(io.StringIO):
@@ -46,9 +56,9 @@ def test_off_a_terminal_each_step_is_one_plain_line(manager, capsys):
     backend.finish({"final_loss": 2.0, "tokens": 4096})
 
     assert capsys.readouterr().out == (
-        "plugins: core.metrics (forge-lm 0.1.0)\n"
-        "step 1 | loss 3.25 | loss_avg 3.25 | lr 0.0001\n"  # the first average is the first loss
-        "step 2 | loss 2 | loss_avg 2.592 | lr 0.00025 | tokens_per_sec 12345 | grad_norm nan\n"
+        "plugins: forge-lm 0.1.0\n"
+        "step 1/10 [0:00] | loss 3.25 | loss_avg 3.25 | lr 0.0001\n"  # the first average is the first loss
+        "step 2/10 [0:00<0:00] | loss 2 | loss_avg 2.592 | lr 0.00025 | tokens_per_sec 12345 | grad_norm nan\n"
         "summary: final_loss 2 | tokens 4096\n"
     )
 
@@ -75,9 +85,9 @@ def test_off_a_terminal_per_layer_metrics_are_counted_once_and_left_to_metrics_j
     assert lines == [
         "note: 24 more metrics per step (moe/layer0/balance_loss, moe/layer0/drop_fraction, moe/layer0/load_cv, ...) "
         "are not shown on these lines; the jsonl backend (on by default) writes every metric to metrics.jsonl",
-        "step 1 | loss 5.5 | lr 0.001 | grad_norm 1.5 | tokens_per_sec 2500 | mfu 0.0125",
-        "step 2 | loss 5.25 | lr 0.001 | grad_norm 1.5 | tokens_per_sec 2500 | mfu 0.0125",
-        "step 2 | eval/loss 5 | eval/perplexity 148.4",
+        "step 1/10 [0:00] | loss 5.5 | lr 0.001 | grad_norm 1.5 | tokens_per_sec 2500 | mfu 0.0125",
+        "step 2/10 [0:00<0:00] | loss 5.25 | lr 0.001 | grad_norm 1.5 | tokens_per_sec 2500 | mfu 0.0125",
+        "step 2/10 [0:00<0:00] | eval/loss 5 | eval/perplexity 148.4",
         "summary: final_loss 5.25 | steps 2",
     ]
     assert read_console(Path("."), "\n".join(lines)) == [  # forge_lm.testing's reader still parses them
@@ -132,7 +142,7 @@ def test_live_false_keeps_plain_lines_even_on_a_terminal(monkeypatch):
     backend.log(3, {"loss": 1.5})
     backend.finish({})
 
-    assert terminal.getvalue() == "plugins: core.metrics (forge-lm 0.1.0)\nstep 3 | loss 1.5\n"
+    assert terminal.getvalue() == "plugins: forge-lm 0.1.0\nstep 3/10 [0:00] | loss 1.5\n"
 
 
 def test_a_terminal_stdout_gets_the_live_display_instead_of_lines(manager, monkeypatch):
@@ -167,7 +177,7 @@ def test_live_display_draws_step_loss_lr_throughput_and_eta_of_each_logged_step(
     backend.finish({"final_loss": 2.875})
     out = buffer.getvalue()
 
-    assert "plugins: core.metrics (forge-lm 0.1.0)" in first
+    assert "plugins: forge-lm 0.1.0" in first
     assert "10/100" in first
     assert "loss 3.25 | lr 0.0001 | 12,346 tok/s | mfu 41.2%" in first
     assert "eta" in first
@@ -339,3 +349,45 @@ def test_live_display_without_smoothing_shows_the_loss_alone():
 
     assert "loss 1.25 | lr 0.5" in buffer.getvalue()
     assert "avg" not in buffer.getvalue()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_plain_lines_show_the_step_of_the_total_the_time_taken_and_the_time_left(capsys):
+    """Issue 36: logs that are not a terminal (SLURM files, `| tee`) showed no step/max_steps,
+    elapsed time or ETA. The time left is the rate since this start's first line (start-up,
+    here 30 s before it, is not a step's cost) times the steps left."""
+    clock = FakeClock()
+    backend = ConsoleBackend(digits=4, total_steps=1000, live=False, clock=clock)
+    backend.start({}, MANIFEST)
+    clock.now += 30.0  # building, loading data, the first step
+    backend.log(10, {"loss": 3.0})
+    clock.now += 20.0  # 10 steps in 20 s: 2 s a step
+    backend.log(20, {"loss": 2.5})
+    clock.now += 3600.0
+    backend.log(1000, {"loss": 2.0})
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "step 10/1000 [0:30] | loss 3",  # no rate yet
+        "step 20/1000 [0:50<32:40] | loss 2.5",  # 980 steps left at 2 s each
+        "step 1000/1000 [1:00:50<0:00] | loss 2",
+    ]
+
+
+def test_the_plugins_line_names_each_distribution_once():
+    manifest = [
+        {"name": "core.data", "distribution": "forge-lm", "version": "0.1.0"},
+        {"name": "core.models", "distribution": "forge-lm", "version": "0.1.0"},
+        {"name": "moe", "distribution": "forge-moe", "version": "0.2.0"},
+    ]
+    assert plugins_line(manifest) == "forge-lm 0.1.0 (2 plugins), forge-moe 0.2.0"
+
+
+def test_the_console_reader_reads_lines_with_and_without_the_total():
+    out = "plugins: forge-lm 0.1.0\nstep 3/10 [0:01<0:02] | loss 1.5\nstep 4 | loss 1.25 | lr 0.01\n"
+    assert read_console(Path("."), out) == [(3, {"loss": 1.5}), (4, {"loss": 1.25, "lr": 0.01})]

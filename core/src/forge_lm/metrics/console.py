@@ -1,9 +1,14 @@
 """Metrics on standard output: a live progress display on a terminal, plain lines elsewhere.
 
 On a terminal the run shows a rich progress bar over the run's steps, with the latest
-loss, learning rate, throughput and the time left. Anywhere else (a pipe, a log file, CI)
-each logged step is one line, ``step 10 | loss 3.25 | lr 0.0003``, which stays readable in
-a log and which ``forge_lm.testing``'s reader parses. A line holds the headline metrics (loss,
+loss, learning rate, throughput and the time left. Anywhere else (a pipe, a log file, CI, a
+SLURM output file) each logged step is one line with the same facts,
+``step 10/200 [0:12<3:48] | loss 3.25 | lr 0.0003``: the step of the run's total, the time
+this start has run and the time left at the rate of the steps logged since this start's
+first (none before a second step is logged), then the metrics. It stays readable in a log and
+``forge_lm.testing``'s reader parses it. The run's first line names the plugin distributions
+briefly (``plugins: forge-lm 0.1.0 (9 plugins), forge-moe 0.1.0``); the run directory's
+``plugins.json`` lists every plugin. A line holds the headline metrics (loss,
 lr, grad_norm, tokens_per_sec, mfu, eval/*) and the others only while they are few: an MoE
 run's per-layer statistics are left to metrics.jsonl, with one note saying how many there
 are. rich is imported only for the live display, so plain mode costs nothing.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,12 +55,22 @@ class ConsoleBackend:
     """
 
     def __init__(
-        self, digits: int, total_steps: int = 0, *, live: bool = True, console: Any = None, smoothing: float = 0.0
+        self,
+        digits: int,
+        total_steps: int = 0,
+        *,
+        live: bool = True,
+        console: Any = None,
+        smoothing: float = 0.0,
+        clock: Any = None,
     ) -> None:
         self.digits = digits
         self.total_steps = total_steps
         self.live = live
         self._console = console
+        self._clock = clock if clock is not None else time.monotonic  # tests pass a fake one
+        self._started: float | None = None  # when this start began (start())
+        self._first_logged: tuple[int, float] | None = None  # (step, time) of this start's first line
         self._loss_average = MovingAverage(smoothing) if smoothing > 0 else None
         self._display: _LiveDisplay | None = None
         self._left_out: set[str] = set()  # keys plain lines leave out, already noted
@@ -68,7 +84,8 @@ class ConsoleBackend:
         return [f"{key} {self.format_value(value)}" for key, value in metrics.items()]
 
     def start(self, config: Mapping[str, Any], manifest: Sequence[Mapping[str, str]]) -> None:
-        plugins = ", ".join(f"{p['name']} ({p['distribution']} {p['version']})" for p in manifest)
+        self._started = self._clock()
+        plugins = plugins_line(manifest)
         if self.live and (self._console is not None or sys.stdout.isatty()):
             self._display = _LiveDisplay(self, self._console)
             self._display.console.print(f"plugins: {plugins}", highlight=False, markup=False)
@@ -99,7 +116,23 @@ class ConsoleBackend:
             pairs.append(f"{key} {self.format_value(value)}")
             if key == LOSS and average is not None:
                 pairs.append(f"{LOSS_AVERAGE} {self.format_value(average)}")
-        print(" | ".join([f"step {step}", *pairs]), file=sys.stdout, flush=True)
+        print(" | ".join([self._progress(step), *pairs]), file=sys.stdout, flush=True)
+
+    def _progress(self, step: int) -> str:
+        """``step 10/200 [0:12<3:48]``: the step of the total, this start's elapsed time and the
+        time left (``step 10`` alone when the total is unknown)."""
+        if self.total_steps <= 0:
+            return f"step {step}"
+        now = self._clock()
+        elapsed = now - (self._started if self._started is not None else now)
+        if self._first_logged is None:
+            self._first_logged = (step, now)
+        first_step, first_time = self._first_logged
+        timing = _duration(elapsed)
+        if step > first_step:  # the rate of the steps since the first line: start-up is left out
+            left = (now - first_time) / (step - first_step) * max(self.total_steps - step, 0)
+            timing += f"<{_duration(left)}"
+        return f"step {step}/{self.total_steps} [{timing}]"
 
     def finish(self, summary: Mapping[str, float]) -> None:
         line = "summary: " + " | ".join(self.format_pairs(summary)) if summary else None
@@ -111,6 +144,25 @@ class ConsoleBackend:
             return
         if line:
             print(line, file=sys.stdout, flush=True)
+
+
+def plugins_line(manifest: Sequence[Mapping[str, str]]) -> str:
+    """The plugins as one short line: each distribution once, with its version and how many
+    plugins it holds when more than one (the core's built-ins); plugins.json names each."""
+    counts: dict[str, int] = {}
+    for plugin in manifest:
+        key = f"{plugin['distribution']} {plugin['version']}"
+        counts[key] = counts.get(key, 0) + 1
+    shown = [key if count == 1 else f"{key} ({count} plugins)" for key, count in counts.items()]
+    return ", ".join(shown)
+
+
+def _duration(seconds: float) -> str:
+    """``0:12``, ``3:48``, ``1:02:03``: as tqdm and rich show times."""
+    total = int(max(seconds, 0.0))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 class MovingAverage:

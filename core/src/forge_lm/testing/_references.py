@@ -41,14 +41,15 @@ def read_jsonl(run_dir: Path, output: str) -> list[tuple[int, dict[str, float]]]
 
 
 def read_console(run_dir: Path, output: str) -> list[tuple[int, dict[str, float]]]:
-    """Parse ``step 1 | loss 3.25 | lr 0.0001`` lines."""
+    """Parse ``step 1/200 [0:01] | loss 3.25 | lr 0.0001`` lines (``step 1 | ...`` too: a run of
+    unknown length, or an older Forge's)."""
     recorded = []
     for line in output.splitlines():
         if not line.startswith("step "):
             continue
         head, *pairs = line.split(" | ")
         metrics = {key: float(value) for key, value in (pair.split(" ", 1) for pair in pairs)}
-        recorded.append((int(head.split()[1]), metrics))
+        recorded.append((int(head.split()[1].split("/")[0]), metrics))
     return recorded
 
 
