@@ -377,7 +377,8 @@ class Transformer(nn.Module):
 def _wrapped(wrap: Callable[[int, nn.Module], nn.Module], index: int, block: nn.Module) -> nn.Module:
     wrapped = wrap(index, block)
     if not isinstance(wrapped, nn.Module):
-        raise ForgeError(f"wrap_blocks: the wrapper of block {index} is {type(wrapped).__name__}, not a torch.nn.Module.")
+        got = type(wrapped).__name__
+        raise ForgeError(f"wrap_blocks: the wrapper of block {index} is {got}, not a torch.nn.Module.")
     return wrapped
 
 
