@@ -1,0 +1,74 @@
+"""Shared by the forge-vlm tests: a plugin manager with forge-vlm only, tiny Hugging Face vision
+configs (the independent reference), and one torch thread for the tiny models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """The models here are tiny: one thread computes them as fast as two. Restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def vlm_manager():
+    """The built-ins and forge-vlm only, whatever else is installed."""
+    from forge_lm.plugins import PluginManager, PluginSettings
+
+    return PluginManager(PluginSettings(allow=("vlm",)))
+
+
+def tiny_clip_vision(**fields: Any) -> Any:
+    """A tiny ``CLIPVisionConfig``: 16 x 16 images of 4 x 4 patches, width 32, 2 blocks, eager."""
+    from transformers import CLIPVisionConfig
+
+    defaults = {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": 16,
+        "patch_size": 4,
+        "layer_norm_eps": 1e-5,
+        "hidden_act": "quick_gelu",
+    }
+    config = CLIPVisionConfig(**{**defaults, **fields})
+    config._attn_implementation = "eager"
+    return config
+
+
+def tiny_siglip_vision(**fields: Any) -> Any:
+    """A tiny ``SiglipVisionConfig``: 16 x 16 images of 4 x 4 patches, width 32, 2 blocks, eager."""
+    from transformers import SiglipVisionConfig
+
+    defaults = {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": 16,
+        "patch_size": 4,
+        "layer_norm_eps": 1e-6,
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+    config = SiglipVisionConfig(**{**defaults, **fields})
+    config._attn_implementation = "eager"
+    return config
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter of ``model`` drawn at random (norm scales and biases too), so a weight
+    mapped to the wrong place cannot go unnoticed."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    return model
