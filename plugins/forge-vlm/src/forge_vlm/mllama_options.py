@@ -1,0 +1,153 @@
+"""Options of the ``cross_attention`` family and of Mllama's tiled vision tower. Kept free of
+torch: Forge imports this module to validate configs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from forge_lm.config import ComponentConfig, LlamaOptions, component
+from forge_lm.validators import FieldError, non_negative, one_of, positive
+
+MLLAMA_ASPECT_RATIOS = ((1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (3, 1), (4, 1))
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+def _ratios(value: Any) -> tuple[tuple[int, int], ...]:
+    return tuple(tuple(int(side) for side in pair) for pair in value)
+
+
+@attrs.frozen
+class MllamaVisionOptions:
+    """``[model.vision]`` with ``tower = "mllama"``: Llama 3.2 Vision's tower. An image is cut
+    into up to ``max_num_tiles`` tiles of ``image_size``; each tile's patches and a class token
+    run through ``depth`` local layers, then the tiles of an image together through
+    ``global_depth`` gated layers; the features are the last state concatenated with the local
+    layers' outputs at ``intermediate_layers``."""
+
+    image_size: int = attrs.field(default=448, validator=positive, metadata=_doc("Square tiles of this side."))
+    patch_size: int = attrs.field(default=14, validator=positive, metadata=_doc("Square patches of this side."))
+    channels: int = attrs.field(default=3, validator=positive, metadata=_doc("Colour channels of an image."))
+    width: int = attrs.field(default=1280, validator=positive, metadata=_doc("Hidden size of the tower."))
+    depth: int = attrs.field(default=32, validator=positive, metadata=_doc("Local (per-tile) layers."))
+    global_depth: int = attrs.field(default=8, validator=non_negative, metadata=_doc("Gated global layers."))
+    heads: int = attrs.field(default=16, validator=positive, metadata=_doc("Attention heads."))
+    mlp_dim: int = attrs.field(default=5120, validator=positive, metadata=_doc("Hidden size of each layer's MLP."))
+    norm_eps: float = attrs.field(default=1e-5, validator=positive, metadata=_doc("Epsilon of the layers' norms."))
+    max_num_tiles: int = attrs.field(default=4, validator=positive, metadata=_doc("Tiles an image is cut into."))
+    aspect_ratios: tuple[tuple[int, int], ...] = attrs.field(
+        default=MLLAMA_ASPECT_RATIOS,
+        converter=_ratios,
+        metadata=_doc("The tile layouts (rows, columns) an image may have; aspect_ratio_ids count them from 1."),
+    )
+    intermediate_layers: tuple[int, ...] = attrs.field(
+        default=(3, 7, 15, 23, 30),
+        converter=tuple,
+        metadata=_doc("Local layers whose outputs join the features (Mllama's intermediate_layers_indices)."),
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.image_size % self.patch_size:
+            raise FieldError(
+                "patch_size", f"image_size ({self.image_size}) must be divisible by patch_size ({self.patch_size})"
+            )
+        if self.width % self.heads:
+            raise FieldError("heads", f"width ({self.width}) must be divisible by heads ({self.heads})")
+        bad = [i for i in self.intermediate_layers if not 0 <= i < self.depth]
+        if bad:
+            raise FieldError("intermediate_layers", f"{bad} are not local layers 0 .. {self.depth - 1}")
+        if any(rows * cols > self.max_num_tiles or min(rows, cols) < 1 for rows, cols in self.aspect_ratios):
+            raise FieldError("aspect_ratios", f"each layout needs 1 .. max_num_tiles ({self.max_num_tiles}) tiles")
+
+    @property
+    def patches(self) -> int:
+        """Positions of one tile: its patches and the class token."""
+        return (self.image_size // self.patch_size) ** 2 + 1
+
+    @property
+    def output_dim(self) -> int:
+        """Width of a feature: the last state and each intermediate layer's."""
+        return self.width * (1 + len(self.intermediate_layers))
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.max_num_tiles * self.patches
+
+
+@attrs.frozen
+class CrossAttentionOptions:
+    """``[model]`` with ``name = "cross_attention"``: a vision tower, a linear projector to the
+    language model's width, and gated cross-attention layers among the blocks of any registered
+    language family (``[model.language]``), whose ``vocab_size``, ``max_seq_len`` and
+    ``init_std`` are the model's."""
+
+    language: ComponentConfig = component(
+        "models", "llama", "The language model: any registered family that can wrap its blocks (WrapsBlocks)."
+    )
+    vision: MllamaVisionOptions = attrs.field(
+        factory=MllamaVisionOptions, metadata=_doc("The vision tower: Mllama's tiled tower ([model.vision]).")
+    )
+    image_token_id: int | None = attrs.field(
+        default=None,
+        validator=non_negative,
+        metadata=_doc("The id of the one marker standing in the text for each image; unset = the last id."),
+    )
+    every_n_blocks: int = attrs.field(
+        default=4, validator=positive, metadata=_doc("A cross-attention layer after every k-th block of the language.")
+    )
+    cross_attention_layers: tuple[int, ...] | None = attrs.field(
+        default=None,
+        converter=lambda v: None if v is None else tuple(v),
+        metadata=_doc(
+            "Instead of every_n_blocks: Mllama's indices of the cross-attention layers in the combined list of "
+            "blocks and cross-attention layers."
+        ),
+    )
+    empty_rows: str = attrs.field(
+        default="zero",
+        validator=one_of("zero", "attend_all"),
+        metadata=_doc(
+            "Text that sees no image yet: 'zero' (no change, as Meta's reference) or 'attend_all' (its attention "
+            "part attends to every image state, as transformers' Mllama; an import sets it)."
+        ),
+    )
+    extra_token_ids: int = attrs.field(
+        default=0,
+        validator=non_negative,
+        metadata=_doc(
+            "Ids vocab_size .. vocab_size + n - 1 with an embedding but no logit (Mllama's image marker 128256 is "
+            "one of 8); needs a language family that runs from embeddings."
+        ),
+    )
+    freeze_vision: bool = attrs.field(default=False, metadata=_doc("Train no parameter of the vision tower."))
+    freeze_language: bool = attrs.field(
+        default=False, metadata=_doc("Train no parameter of the language model (the cross-attention layers train).")
+    )
+
+    @property
+    def language_options(self) -> Any:
+        chosen = self.language
+        if chosen.options is not None:
+            return chosen.options
+        if chosen.component is not None:
+            return chosen.component.options_class()
+        return LlamaOptions()
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.language_options.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.language_options.max_seq_len
+
+    @property
+    def init_std(self) -> float:
+        return self.language_options.init_std
+
+    def image_token(self, vocab_size: int) -> int:
+        return self.image_token_id if self.image_token_id is not None else vocab_size - 1
