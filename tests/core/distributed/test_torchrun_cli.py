@@ -102,7 +102,8 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, reference) -> N
 def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path, reference) -> None:
     run_dir = tmp_path / "run"
     _ok(_one_process(run_dir, 2))
-    _ok(_two_ranks(run_dir, 4))
+    resumed = _ok(_two_ranks(run_dir, 4))
+    assert resumed.stderr.count("resumed from") == 1  # the run's message, said by rank 0 only
     _assert_same_steps(metrics_by_step(run_dir), reference, [3, 4])
 
 
@@ -165,6 +166,9 @@ def test_a_signal_to_one_rank_stops_every_rank_after_one_checkpoint(tmp_path: Pa
     ranks[1].send_signal(signal.SIGUSR1)
     outputs = [rank.communicate(timeout=240) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [75, 75], outputs
+    # The stop is the run's: rank 0 says it, once (issue 36: every rank printed it)
+    assert "(sent to another rank) received: saved a checkpoint at step" in outputs[0][1]
+    assert "received" not in outputs[1][1], outputs[1][1]
     saved = sorted((run_dir / "checkpoints").glob("step_*"))
     assert len(saved) == 1  # one checkpoint, written by both ranks together
     step = int(saved[0].name.removeprefix("step_"))

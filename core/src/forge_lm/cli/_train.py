@@ -98,11 +98,12 @@ def _train(config, manager, noted: list[int]) -> int:
     except PreemptedAtStartup as stop:
         return _stopped_at_startup(stop.signal_name)
     except Preempted as stop:
-        print(
-            f"forge: {stop.signal_name} received: saved a checkpoint at step {stop.step} and stopped; "
-            "run the same command to resume.",
-            file=sys.stderr,
-        )
+        if detect_launch().rank == 0:  # every rank saved its part; the run says it once
+            print(
+                f"forge: {stop.signal_name} received: saved a checkpoint at step {stop.step} and stopped; "
+                "run the same command to resume.",
+                file=sys.stderr,
+            )
         return PREEMPTED_EXIT_CODE
     except NonFiniteLoss as stop:
         print(f"forge: error: {stop}", file=sys.stderr)
@@ -139,6 +140,10 @@ def _already_complete(config, result) -> str:
 
 
 def _stopped_at_startup(signal_name: str) -> int:
+    from forge_lm.distributed import detect_launch
+
+    if detect_launch().rank != 0:  # the same on every rank: said once
+        return _PREEMPTED_EXIT_CODE
     print(
         f"forge: {signal_name} received during start-up: stopped before the first step, with nothing to save; "
         "run the same command to start again.",

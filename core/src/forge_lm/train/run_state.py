@@ -33,8 +33,9 @@ from forge_lm.checkpoint._safe import DamagedCheckpointError
 from forge_lm.checkpoint._state import TRAINER_STATE, check_like
 from forge_lm.config import structure_config, to_data
 from forge_lm.data.loader import BatchLoader
+from forge_lm.distributed import is_main_process
 from forge_lm.errors import ConfigError, ForgeError
-from forge_lm.plugins import PluginHookFailed, PluginManager
+from forge_lm.plugins import PluginHookFailed, PluginManager, PluginStatus
 from forge_lm.train.run_dir import CONFIG_FILE, FIXED_ON_RESUME, differences
 
 SHAPE_RULE = "a state_dict must keep the shape it had when the component was built: same keys, same kinds of values"
@@ -136,11 +137,23 @@ def restore_run(
         )
     unclaimed = manager.load_states(context, state["plugins"])
     for name in unclaimed:
-        _warn(f"checkpoint state of plugin '{name}' was not restored: that plugin is not loaded")
-    print(f"resumed from {state['path']} (step {context.step})", file=sys.stderr, flush=True)
+        _warn(f"checkpoint state of plugin '{name}' was not restored: {_why_unclaimed(manager, name)}")
+    if is_main_process():  # every rank resumed the same checkpoint: the run says it once
+        print(f"resumed from {state['path']} (step {context.step})", file=sys.stderr, flush=True)
     events.set_step(context.step)
     events.record("resume", from_step=context.step, checkpoint=Path(state["path"]).name)
     return True
+
+
+def _why_unclaimed(manager: PluginManager, name: str) -> str:
+    """Why no plugin took the saved state of plugin ``name``: it may well be loaded, and only
+    lack the hook that restores a state (a version that saves but does not restore)."""
+    plugin = next((p for p in manager.plugins if p.name == name), None)
+    if plugin is None:
+        return "no plugin of that name is installed"
+    if plugin.status is PluginStatus.OK:
+        return f"{plugin.label} is loaded but has no forge_lm_load_state hook: it goes on without the state it saved"
+    return f"{plugin.label} is not loaded ({plugin.status}{': ' + plugin.reason if plugin.reason else ''})"
 
 
 def roll_back(
@@ -310,4 +323,6 @@ def _check_optimizer_settings(state: dict[str, Any], config: Any) -> None:
 
 
 def _warn(message: str) -> None:
-    print(f"forge: warning: {message}", file=sys.stderr, flush=True)
+    """A warning about the run as a whole (the checkpoint every rank resumed): rank 0 says it."""
+    if is_main_process():
+        print(f"forge: warning: {message}", file=sys.stderr, flush=True)
