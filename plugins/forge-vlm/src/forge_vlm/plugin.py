@@ -9,6 +9,7 @@ and :mod:`forge_vlm.data` (image-text datasets), imported only when a run builds
 from __future__ import annotations
 
 from forge_lm import hookimpl
+from forge_vlm.mllama_options import CrossAttentionOptions
 from forge_vlm.options import ImageTextOptions, LlavaOptions, SyntheticImageTextOptions
 
 FORGE_LM_PLUGIN_API = ">=1,<2"
@@ -21,6 +22,12 @@ def forge_lm_register_models(register):
         "forge_vlm.llava:build_llava",
         config=LlavaOptions,
         description="LLaVA: ViT tower, MLP projector, image features in place of image tokens in any language family",
+    )
+    register(
+        "cross_attention",
+        "forge_vlm.mllama:build_cross_attention",
+        config=CrossAttentionOptions,
+        description="Llama 3.2 Vision (Mllama): tiled vision tower, gated cross-attention among any family's blocks",
     )
 
 
