@@ -269,13 +269,16 @@ def forge_lm_register_routers(register: Any) -> None:
 
 @hookspec
 def forge_lm_register_model_transforms(register: Any) -> None:
-    """Register model transforms (parallelisms, activation checkpointing, compile, ...).
+    """Register model transforms (parallelisms, activation checkpointing, compile, freezing, ...).
 
     Factory: ``factory(options) -> forge_lm.distributed.ModelTransform(slot, enabled, apply)``.
     The training path applies every transform whose ``enabled(context)`` is true, in the
-    order of :data:`forge_lm.distributed.TRANSFORM_ORDER` (tensor_parallel, expert_parallel,
-    float8, activation_checkpointing, compile, data_parallel), by name within a slot;
-    ``apply(model, context)`` changes the model in place and keeps parameter names. See
+    order of :data:`forge_lm.distributed.TRANSFORM_ORDER` (adaptation, tensor_parallel,
+    expert_parallel, float8, activation_checkpointing, compile, data_parallel), by name within
+    a slot, all before the optimizer is built; ``apply(model, context)`` changes the model in
+    place, keeps parameter names, never changes ``context.config`` and leaves some parameter
+    to train (one that freezes them all stops the run naming it, exit 4). Transforms that are
+    not parallelisms (freezing, LoRA, pruning) use the ``adaptation`` slot. See
     docs/distributed.md.
     """
 

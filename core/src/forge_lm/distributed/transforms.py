@@ -2,13 +2,21 @@
 
 Order of the slots (each transform registers into one; the core does not know which exist)::
 
-    tensor_parallel -> expert_parallel -> float8 -> activation_checkpointing -> compile -> data_parallel
+    adaptation -> tensor_parallel -> expert_parallel -> float8 -> activation_checkpointing -> compile
+    -> data_parallel
 
-Why this order: tensor parallelism replaces weights with DTensors sharded over the ``tp``
-mesh, so it comes first; expert parallelism (a plugin's slot) then splits experts over ``ep``;
-float8 swaps linear layers for ones that see the final local shapes; activation
-checkpointing wraps the computation of each block, which ``torch.compile`` then traces
-(checkpointing included) and FSDP2 shards as one unit; FSDP2 comes last, around the
+Why this order: ``adaptation`` holds the transforms that are not parallelisms but change what
+trains (freezing parameters, adding LoRA adapters, pruning): they see the whole model, before
+any parallelism splits it. Every transform, this slot's included, runs before the optimizer is
+built, so the optimizer is given exactly the parameters that are trainable after all of them
+(a parameter frozen here is not in it). Under ``torchrun`` the model is still on the meta
+device: a parameter a transform adds gets its values when the model is initialised (the
+default rule for ``nn.Linear``, or its module's ``init_weights(init)``). Tensor parallelism
+replaces weights with DTensors sharded over the ``tp`` mesh, so it comes next; expert
+parallelism (a plugin's slot) then splits experts over ``ep``; float8 swaps linear layers
+for ones that see the final local shapes; activation checkpointing wraps the computation of
+each block, which ``torch.compile`` then traces (checkpointing included) and FSDP2 shards as
+one unit; FSDP2 comes last, around the
 compiled blocks, so that its hooks (the parameters' all-gathers and the gradients'
 reduce-scatters) stay outside the compiled graphs, as in torchtitan.
 Within one slot, transforms run in name order. Pipeline parallelism is not a transform: it
@@ -33,9 +41,10 @@ from torch import nn
 from forge_lm.config import ForgeConfig
 from forge_lm.distributed.mesh import ParallelDims
 from forge_lm.errors import ForgeError, PluginError
-from forge_lm.plugins._calls import describe
+from forge_lm.plugins._calls import PluginHookFailed, describe
 
 TRANSFORM_ORDER = (
+    "adaptation",
     "tensor_parallel",
     "expert_parallel",
     "float8",
@@ -102,13 +111,23 @@ def ordered_transforms(registry: Any, config: ForgeConfig | None = None) -> list
 
 
 def apply_model_transforms(model: nn.Module, context: TransformContext, registry: Any) -> list[str]:
-    """Apply every enabled transform to ``model`` in order; returns the names applied."""
+    """Apply every enabled transform to ``model`` in order; returns the names applied. A
+    transform that leaves no parameter to train stops the run naming it (not the optimizer's
+    "empty parameter list" later)."""
     applied = []
     for name, transform in ordered_transforms(registry, context.config):
         if transform.enabled(context):
+            trained = trains_something(model)
             transform.apply(model, context)
             applied.append(name)
+            if trained and not trains_something(model):
+                raise transform.left_nothing_to_train()
     return applied
+
+
+def trains_something(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` requires a gradient."""
+    return any(param.requires_grad for param in model.parameters())
 
 
 def _without(component: Any) -> str:
@@ -148,6 +167,16 @@ class _Guarded:
 
     def apply(self, model: nn.Module, context: TransformContext) -> None:
         self._call("apply", self.transform.apply, model, context)
+
+    def left_nothing_to_train(self) -> PluginHookFailed:
+        """The plugin-failure path's error (exit 4): ``apply`` froze every parameter."""
+        return PluginHookFailed(
+            self.component.plugin,
+            f"model transform '{self.component.name}'",
+            "left no parameter to train: after its apply() every parameter of the model has requires_grad = False "
+            "(a transform that freezes parameters must leave some trainable)",
+            without=f"--block-plugin {self.component.plugin.name}",
+        )
 
     def _call(self, what: str, function: Callable[..., Any], *args: Any) -> Any:
         try:

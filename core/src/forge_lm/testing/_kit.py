@@ -77,6 +77,8 @@ AIDS: dict[str, tuple[str, ...]] = {
     "tokenizers": ("lossless",),
     "routers": ("n_experts", "top_k", "normalized"),
     "attentions": ("spec",),
+    "model_transforms": ("config",),
+    "evaluators": ("context",),
 }
 """The keyword aids :func:`component_checks` accepts per category, besides ``options`` and ``manager``."""
 
@@ -126,6 +128,7 @@ def _load_check_modules() -> None:
     from forge_lm.testing import (  # noqa: F401
         _attentions,
         _datasets,
+        _evaluators,
         _feed_forwards,
         _losses,
         _metrics,
@@ -135,6 +138,7 @@ def _load_check_modules() -> None:
         _routers,
         _schedulers,
         _tokenizers,
+        _transforms,
     )
 
 

@@ -52,7 +52,10 @@ def _build(subject: Subject, seed: int = 0, device: str | None = None) -> nn.Mod
     try:
         return build_model(_config(subject), _vocab(subject), subject.manager.registry, seed=seed, device=device)
     except ForgeError as exc:
-        raise AssertionError(f"{subject.label} cannot be built by forge_lm.model.build_model: {exc}") from exc
+        raise AssertionError(
+            f"{subject.label} cannot be built by forge_lm.model.build_model: {str(exc).rstrip('.')}; the kit expects "
+            "it built and initialised (every parameter and buffer set through the Initializer)"
+        ) from exc
 
 
 def _tokens(rows: int, seq: int, vocab: int, seed: int = 3) -> torch.Tensor:
