@@ -8,6 +8,9 @@ and :mod:`forge_vlm.data` (image-text datasets), imported only when a run builds
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from forge_lm import hookimpl
 from forge_vlm.mllama_options import CrossAttentionOptions
 from forge_vlm.options import ImageTextOptions, LlavaOptions, SyntheticImageTextOptions
@@ -45,3 +48,46 @@ def forge_lm_register_datasets(register):
         config=SyntheticImageTextOptions,
         description="Generated images with text that depends on them; for tests and smoke runs",
     )
+
+
+class _ImageTokenRate:
+    """``image_tokens_per_sec`` beside the core's ``tokens_per_sec``: the image tokens the model
+    placed (its ``image_tokens_seen``, this rank's, times the data-parallel ranks) over the time
+    between two logged steps (evaluation and checkpoint time included)."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.seen = 0
+
+    def step_end(self, context: Any, metrics: dict[str, float]) -> dict[str, float] | None:
+        seen = getattr(context.model, "image_tokens_seen", None)
+        if not isinstance(seen, int) or isinstance(seen, bool):
+            return None
+        now = time.perf_counter()
+        if self.start is None or seen < self.seen:  # the first step, or a new run in this process
+            self.start, self.seen = now, seen
+            return {"image_tokens_per_sec": 0.0} if "loss" in metrics else None
+        if "loss" not in metrics:  # only the logged steps' metrics are kept
+            return None
+        rate = (seen - self.seen) * _data_parallel_size() / max(now - self.start, 1e-9)
+        self.start, self.seen = now, seen
+        return {"image_tokens_per_sec": rate}
+
+
+def _data_parallel_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+_rate = _ImageTokenRate()
+
+
+@hookimpl
+def forge_lm_train_start(context):
+    _rate.start = None
+
+
+@hookimpl
+def forge_lm_step_end(context, step, metrics):
+    return _rate.step_end(context, metrics)
