@@ -8,6 +8,7 @@ and :mod:`forge_vlm.data` (image-text datasets), imported only when a run builds
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -91,3 +92,27 @@ def forge_lm_train_start(context):
 @hookimpl
 def forge_lm_step_end(context, step, metrics):
     return _rate.step_end(context, metrics)
+
+
+def _cross_attention_module() -> Any:
+    """forge_vlm.mllama if it was imported (no cross_attention model can exist otherwise), else None."""
+    return sys.modules.get("forge_vlm.mllama")
+
+
+@hookimpl
+def forge_lm_hf_export(model, config):
+    module = _cross_attention_module()
+    if module is None or not isinstance(model, module.CrossAttentionModel):
+        return None
+    from forge_vlm import hf_mllama
+
+    return hf_mllama.to_mllama(model)
+
+
+@hookimpl
+def forge_lm_hf_import(hf_config, state):
+    if hf_config.get("model_type") != "mllama":
+        return None
+    from forge_vlm import hf_mllama
+
+    return hf_mllama.from_mllama(hf_config, state)
