@@ -1,11 +1,13 @@
 """Distributed launches gone wrong, with real processes (gloo on CPU, started as ``srun`` or
-``torchrun`` would start them): a rank killed mid-run, and a launch environment that claims
-more ranks than were started. The rank that is left says what happened in one Forge message,
-without gloo's traceback, and exits with the code a job script acts on."""
+``torchrun`` would start them): a rank killed mid-run, a launch environment that claims
+more ranks than were started, and a plugin's router that goes wrong on one rank only. The ranks
+say what happened in one Forge message, without gloo's traceback, and exit with the code a job
+script acts on."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,6 +28,34 @@ FORGE_LM_PLUGIN_API = ">=1,<2"
 def forge_lm_step_end(context, step):
     if os.environ.get("SLURM_PROCID") == "1" and step == 2:
         os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer, a lost node
+"""
+
+# forge-moe's softmax top-k router, its Routing spoilt from step 3 on, on rank 1 only.
+ONE_RANKS_ROUTER = """
+import os
+from forge_lm import hookimpl
+from forge_moe.routers import Routing, SoftmaxTopKRouter
+
+FORGE_LM_PLUGIN_API = ">=1,<2"
+STEP = [0]
+
+
+class Router(SoftmaxTopKRouter):
+    def forward(self, x):
+        r = super().forward(x)
+        if STEP[0] < 2 or os.environ.get("SLURM_PROCID") != "1":
+            return r
+        return {spoil}
+
+
+@hookimpl
+def forge_lm_step_end(step):
+    STEP[0] = step
+
+
+@hookimpl
+def forge_lm_register_routers(register):
+    register("hostile_router", lambda options, dim, n, k: Router(dim, n, k), description="x")
 """
 
 TINY = [
@@ -68,18 +98,34 @@ def _forge(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     )
 
 
+def _install(site: Path, module: str, distribution: str, body: str) -> None:
+    site.mkdir(exist_ok=True)
+    (site / f"{module}.py").write_text(body)
+    info = site / f"{module}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[forge_lm]\n{module.removeprefix('forge_')} = {module}\n")
+
+
+def _two_ranks(args: list[str], env: dict[str, str]) -> list[tuple[int, str]]:
+    """Both ranks' exit codes and stderr, as srun starts them."""
+    ranks = [_forge(args, {**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}) for rank in range(2)]
+    try:
+        errors = [process.communicate(timeout=180)[1] for process in ranks]
+        return [(process.returncode, err) for process, err in zip(ranks, errors, strict=True)]
+    finally:
+        for process in ranks:
+            process.kill()
+            process.communicate()
+
+
 def _first_error(stderr: str) -> str:
     return next((line for line in stderr.splitlines() if line.startswith("forge: error:")), "")
 
 
 def test_a_killed_rank_leaves_the_other_with_one_message_and_the_hang_code(tmp_path: Path) -> None:
     site = tmp_path / "site"
-    site.mkdir()
-    (site / "forge_killer.py").write_text(KILLER)
-    info = site / "forge_killer-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: forge-killer\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[forge_lm]\nkiller = forge_killer\n")
+    _install(site, "forge_killer", "forge-killer", KILLER)
     env = _env(SLURM_NTASKS="2", PYTHONPATH=str(site))
     args = [f"--train.output_dir={tmp_path / 'run'}", "--distributed.timeout=60", "--checkpoint.interval=1"]
     ranks = [_forge(args, {**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}) for rank in range(2)]
@@ -113,3 +159,39 @@ def test_more_ranks_claimed_than_started_is_named_before_anything_is_written(tmp
     assert _first_error(err).startswith(f"forge: error: rank 0 could not join the run's 3 ranks ({claimed}) at "), err
     assert "1/3 clients joined" in err
     assert not run.exists()
+
+
+ROUTER_FAILED = (
+    r"forge: error: router 'hostile_router' of plugin 'hostile' \(forge-hostile 1\.0\) returned {what}.*; the step "
+    r"was not taken \(MoE layer \d\) \(on rank 1\)\. Training stopped at step 2; the newest checkpoint "
+    r"\(step_2\) is intact\."
+)
+
+
+def test_a_router_failing_on_one_rank_stops_every_rank_through_the_plugin_failure_path(tmp_path: Path) -> None:
+    """The routing checks' finding is agreed: rank 0, whose router is fine, stops with rank 1
+    (exit 4, the router and rank 1 named, the last good step kept) instead of waiting for it in
+    the next collective until the hang timeout. Rank 1's router returns None, a wrong form,
+    which one process raises at once: here rank 1 goes on with a stand-in routing that makes
+    the step non-finite, and the finding is raised after the step on every rank. (A wrong value,
+    found on the device, takes the same agreement after the step; one run tests both paths.)"""
+    site = tmp_path / "site"
+    _install(site, "forge_hostile", "forge-hostile", ONE_RANKS_ROUTER.format(spoil="None"))
+    what = r"None; a router returns a Routing\(indices, weights, aux_losses\)"
+    args = [
+        f"--train.output_dir={tmp_path / 'run'}",
+        "--distributed.timeout=60",
+        "--checkpoint.interval=2",
+        "--model.ffn.name=moe",
+        "--model.ffn.n_experts=4",
+        "--model.ffn.top_k=2",
+        "--model.ffn.router.name=hostile_router",
+    ]
+    outcomes = _two_ranks(args, _env(SLURM_NTASKS="2", PYTHONPATH=str(site)))
+    for rank, (code, err) in enumerate(outcomes):
+        assert code == 4, f"rank {rank}:\n{err}"
+        assert "Traceback" not in err, f"rank {rank}:\n{err}"
+    assert re.match(ROUTER_FAILED.format(what=what), _first_error(outcomes[0][1])), outcomes[0][1]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_2"
+    assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_2"]

@@ -287,6 +287,7 @@ class Guards:
         family = chosen(getattr(config, "model", None), "models")
         self.model = ComponentGuard(family, attribute=True, lets_through=(torch.OutOfMemoryError,))
         self._device_checks = [] if model is None else _mark_layers(model, config, registry, family)
+        self._registry = registry
 
     @classmethod
     def none(cls) -> Guards:
@@ -294,9 +295,47 @@ class Guards:
         return cls(None)
 
     def raise_device_findings(self) -> None:
-        """After a non-finite step: a module that found a fault on the device says so."""
+        """After a non-finite step: a module that found a fault on the device says so.
+
+        Every module is asked (each forgets its findings), the first finding is kept. In a
+        distributed run every rank asks here after the same step (the step's finiteness is
+        agreed), and the findings are agreed too, in one collective: when one rank's router
+        went wrong and the others' did not, every rank raises the same failure and all stop
+        together through the plugin-failure path. A rank stopping alone would leave the others
+        waiting in the next collective until the hang timeout."""
+        found: ComponentFailed | None = None
         for module in self._device_checks:
-            module.raise_device_findings()
+            try:
+                module.raise_device_findings()
+            except ComponentFailed as exc:
+                found = found or exc
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            found = self._agreed(found)
+        if found is not None:
+            raise found
+
+    def _agreed(self, found: ComponentFailed | None) -> ComponentFailed | None:
+        """The finding of the lowest rank that has one, the same on every rank, naming that rank."""
+        mine = None if found is None else (found.component.category, found.component.name, found.problem)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        first = next(((rank, finding) for rank, finding in enumerate(everyone) if finding is not None), None)
+        if first is None:
+            return None
+        rank, (category, name, problem) = first
+        component = found.component if found is not None else self._resolve(category, name)
+        if component is None:  # this rank's plugins lack it: the ranks were not started alike
+            raise ForgeError(
+                f"rank {rank} found that its {singular(category)} '{name}' {problem}, and this rank has no "
+                f"{singular(category)} of that name: start every rank with the same plugins installed."
+            )
+        return ComponentFailed(component, f"{problem} (on rank {rank})")
+
+    def _resolve(self, category: str, name: str) -> Any:
+        try:
+            return self._registry.resolve(category, name) if self._registry is not None else None
+        except ForgeError:
+            return None
 
 
 def _mark_layers(model: nn.Module, config: ForgeConfig, registry: Any, family: Any) -> list[ChecksOnDevice]:

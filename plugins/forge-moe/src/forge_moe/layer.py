@@ -14,7 +14,7 @@ units concatenated), so parameters, FLOPs and outputs are those of ``N`` experts
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -134,6 +134,8 @@ class MoELayer(nn.Module):
         self.register_buffer("routed_slots", torch.zeros((), dtype=torch.int64), persistent=False)
         # Forwards whose routing broke the contract since the last check, per fault (_FAULTS).
         self.register_buffer("routing_faults", torch.zeros(len(_FAULTS), dtype=torch.int64), persistent=False)
+        # A malformed routing found in a distributed run, raised after the step (see _checked).
+        self.deferred_form_problem: str | None = None
         if self.shared is not None:  # the standalone default of an expert (a model's build sets it again)
             for linear in (self.shared.w1, self.shared.w3, self.shared.w2):
                 nn.init.normal_(linear.weight, mean=0.0, std=0.02)
@@ -166,7 +168,7 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
         tokens = batch * seq
-        routing = self._checked(self.router(x), tokens)
+        routing = self._checked(self.router(x), x)
         limit = self.capacity(tokens)
         plan = dispatch(routing.indices, self.n_experts, limit)
         flat = x.reshape(tokens, dim)
@@ -187,40 +189,33 @@ class MoELayer(nn.Module):
             _report(f"moe/layer{self.layer_index}", routing.aux_losses, statistics)
         return out.view(batch, seq, dim)
 
-    def _checked(self, routing: Any, tokens: int) -> Routing:
+    def _checked(self, routing: Any, x: torch.Tensor) -> Routing:
         """The router's result, if it keeps the contract (:mod:`forge_moe.routers`).
 
-        Its form (types, shapes, dtypes: metadata) is checked here, a failure named at once.
-        Its values are checked on the device without waiting for it: experts outside
-        ``0..n_experts-1``, an expert twice for one token, negative combine weights. A forward
-        that finds one counts it in ``routing_faults``, uses expert 0 in place of an index out
-        of range (no index error, no device assert) and makes every combine weight NaN, so that
-        the step's loss is not finite: the training loop then asks :meth:`raise_device_findings`,
-        which names the router. A step with good routing waits for nothing."""
-        indices, weights, losses = (getattr(routing, field, None) for field in ("indices", "weights", "aux_losses"))
-        shape = [tokens, self.top_k]
-        if not isinstance(indices, torch.Tensor) or not isinstance(weights, torch.Tensor):
-            got = "None" if routing is None else f"a {type(routing).__name__}"
-            self._router_failed(f"returned {got}; a router returns a Routing(indices, weights, aux_losses)")
-        for name, tensor, kind in (("indices", indices, "int64"), ("weights", weights, "floating")):
-            if list(tensor.shape) != shape or not (
-                tensor.is_floating_point() if kind == "floating" else tensor.dtype == torch.int64
-            ):
-                dtype = str(tensor.dtype).removeprefix("torch.")
-                self._router_failed(
-                    f"returned {name} of shape {list(tensor.shape)} and dtype {dtype}; a router returns {kind} "
-                    f"{name} of shape [tokens, top_k] = {shape}"
-                )
-        bad = [value for value in losses.values() if not _scalar(value)] if isinstance(losses, dict) else [losses]
-        if bad:
-            got = (
-                f"a tensor of shape {list(bad[0].shape)}"
-                if isinstance(bad[0], torch.Tensor)
-                else f"a {type(bad[0]).__name__}"
-            )
-            self._router_failed(
-                f"returned {got} as an auxiliary loss; aux_losses is a dict of names to 0-d floating tensors"
-            )
+        Its form (types, shapes, dtypes: metadata) is checked here, a failure named at once
+        in one process. Its values are checked on the device without waiting for it: experts
+        outside ``0..n_experts-1``, an expert twice for one token, negative combine weights. A
+        forward that finds one counts it in ``routing_faults``, uses expert 0 in place of an
+        index out of range (no index error, no device assert) and makes every combine weight
+        NaN, so that the step's loss is not finite: the training loop then asks
+        :meth:`raise_device_findings`, which names the router. A step with good routing waits
+        for nothing.
+
+        In a distributed run a wrong form is not raised at once either: the other ranks are
+        already on their way to the step's collectives (the next layer's all-gather, the
+        gradients' reduction) and would wait there for this rank until the hang timeout. The
+        forward goes on with a stand-in routing whose weights are NaN (:meth:`_stand_in`), and
+        the finding is raised after the step, when every rank asks, agreed across the ranks
+        (:meth:`forge_lm.train.guards.Guards.raise_device_findings`)."""
+        tokens = x.shape[0] * x.shape[1]
+        problem = self._form_problem(routing, tokens)
+        if problem is not None:
+            if not _distributed():
+                self._router_failed(problem)
+            if not recomputing() and self.deferred_form_problem is None:
+                self.deferred_form_problem = problem
+            return self._stand_in(x, tokens)
+        indices, weights, losses = routing.indices, routing.weights, routing.aux_losses
         outside = (indices < 0) | (indices >= self.n_experts)
         twice = indices.new_zeros((), dtype=torch.bool)
         if self.top_k > 1:
@@ -233,7 +228,43 @@ class MoELayer(nn.Module):
         poison = weights.new_full((), float("nan")).where(faults.any(), 0.0)
         return Routing(indices.masked_fill(outside, 0), weights + poison, losses)
 
-    def _router_failed(self, problem: str) -> None:
+    def _form_problem(self, routing: Any, tokens: int) -> str | None:
+        """What is wrong with the form of the router's result (metadata only), or None."""
+        indices, weights, losses = (getattr(routing, field, None) for field in ("indices", "weights", "aux_losses"))
+        shape = [tokens, self.top_k]
+        if not isinstance(indices, torch.Tensor) or not isinstance(weights, torch.Tensor):
+            got = "None" if routing is None else f"a {type(routing).__name__}"
+            return f"returned {got}; a router returns a Routing(indices, weights, aux_losses)"
+        for name, tensor, kind in (("indices", indices, "int64"), ("weights", weights, "floating")):
+            if list(tensor.shape) != shape or not (
+                tensor.is_floating_point() if kind == "floating" else tensor.dtype == torch.int64
+            ):
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                return (
+                    f"returned {name} of shape {list(tensor.shape)} and dtype {dtype}; a router returns {kind} "
+                    f"{name} of shape [tokens, top_k] = {shape}"
+                )
+        bad = [value for value in losses.values() if not _scalar(value)] if isinstance(losses, dict) else [losses]
+        if bad:
+            got = (
+                f"a tensor of shape {list(bad[0].shape)}"
+                if isinstance(bad[0], torch.Tensor)
+                else f"a {type(bad[0]).__name__}"
+            )
+            return f"returned {got} as an auxiliary loss; aux_losses is a dict of names to 0-d floating tensors"
+        return None
+
+    def _stand_in(self, x: torch.Tensor, tokens: int) -> Routing:
+        """A routing of the right form in place of a malformed one: every token to expert 0
+        with NaN weights. The NaN reaches every router parameter's gradient too, so that each
+        parameter takes part in the backward as on the other ranks (a data-parallel reduction
+        expects the same gradients from every rank) and the step is not finite everywhere."""
+        anchor = sum((p.float().sum() for p in self.router.parameters()), x.new_zeros((), dtype=torch.float32))
+        nan = anchor * float("nan")
+        weights = x.new_zeros(tokens, self.top_k, dtype=torch.float32) + nan
+        return Routing(torch.zeros(tokens, self.top_k, dtype=torch.int64, device=x.device), weights, {})
+
+    def _router_failed(self, problem: str) -> NoReturn:
         component = getattr(self.router, COMPONENT_ATTRIBUTE, None)
         if component is None:  # a router built outside build_router: no registered component to name
             raise TypeError(f"the router of MoE layer {self.layer_index} {problem}")
@@ -245,6 +276,9 @@ class MoELayer(nn.Module):
         called only after a bad step."""
         found = self.routing_faults.tolist()
         self.routing_faults.zero_()
+        form, self.deferred_form_problem = self.deferred_form_problem, None
+        if form is not None:
+            self._router_failed(f"{form}; the step was not taken")
         faults = [f"{what} ({count} forwards)" for what, count in zip(_FAULTS, found, strict=True) if count]
         if faults:
             self._router_failed(f"returned {'; '.join(faults)}; the step was not taken")
@@ -295,6 +329,10 @@ class MoELayer(nn.Module):
         hook = getattr(self.router, "step_skipped", None)
         if callable(hook):
             hook()
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _scalar(value: Any) -> bool:
