@@ -17,6 +17,7 @@ code to run.
 from forge_lm.checkpoint._io import (
     CHECKPOINTS,
     RUN_ID_FILE,
+    SAVE_IN_PROGRESS,
     CheckpointManager,
     CheckpointPlaceError,
     CheckpointSaveError,
@@ -30,6 +31,7 @@ from forge_lm.checkpoint._safe import DamagedCheckpointError, UnsafeCheckpointEr
 __all__ = [
     "CHECKPOINTS",
     "RUN_ID_FILE",
+    "SAVE_IN_PROGRESS",
     "CheckpointManager",
     "CheckpointPlaceError",
     "CheckpointSaveError",

@@ -67,6 +67,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 RUN_ID_FILE = "run_id"  # in the run directory: which run its checkpoints belong to
 INCOMPLETE = ".incomplete"  # the suffix of a cut save's directory, moved aside
+SAVE_IN_PROGRESS = "a save in progress"  # what a step directory without its trainer state is while its run trains
 _STEP_DIR = re.compile(r"step_([0-9]{1,15})")  # ASCII digits only: str.isdigit() accepts other scripts'
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -239,11 +240,18 @@ class CheckpointManager:
             if main:
                 _write_atomically(path / TRAINER_STATE, json.dumps(skeleton, indent=1) + "\n")
                 _write_atomically(self.root / LATEST, path.name + "\n")
-        except (OSError, CheckpointException) as exc:  # DCP wraps a rank's OSError in its own exception
+        except (OSError, CheckpointException, KeyboardInterrupt) as exc:  # DCP wraps a rank's error in its own
             if main:
                 with contextlib.suppress(OSError):
                     _remove(path)
             previous = self.latest()
+            interrupt = _interrupt_in(exc)
+            if interrupt is not None:  # Ctrl-C while writing: nothing wrong with the disk or the files
+                events.record("checkpoint_failed", checkpoint=path.name, reason="interrupted by Ctrl-C")
+                raise KeyboardInterrupt(
+                    f"while writing checkpoint {path.name}, which was removed; the previous checkpoint "
+                    f"({previous.name if previous else 'none yet'}) is intact"
+                ) from None
             problem = f"could not write checkpoint '{path}': {_describe(exc)}{_free_space(self.root)}"
             events.record("checkpoint_failed", checkpoint=path.name, reason=problem)
             raise CheckpointSaveError(
@@ -342,7 +350,8 @@ class CheckpointManager:
             print(f"forge: warning: {self.root / LATEST}: {ignored.removeprefix(LATEST + ': ')}", file=sys.stderr)
         passed_over = []
         candidates = [only] if only is not None else self.candidates()
-        candidates, cut = from_rank0((candidates, [p for p in candidates if _cut_short(p)]))
+        cut = [p for p in candidates if _cut_short(p)]
+        candidates, cut, writer = from_rank0((candidates, cut, self.writer_elsewhere() if cut else None))
         for path in candidates:
             try:
                 state = self._load(path, model, optimizer, restore)
@@ -352,7 +361,8 @@ class CheckpointManager:
                     f"(or move it out of {self.root}) to resume from an older one."
                 ) from None
             except (Exception, CheckpointException) as exc:  # noqa: BLE001 - damage shows in many ways; an older one may be fine
-                passed_over.append(f"{path.name}: {_describe(exc)}")
+                in_progress = writer is not None and path in cut
+                passed_over.append(f"{path.name}: {_being_written(writer) if in_progress else _describe(exc)}")
                 continue
             state["passed_over"] = passed_over
             self._restored = path
@@ -366,6 +376,11 @@ class CheckpointManager:
             return state
         if passed_over and (only is not None or len(cut) < len(passed_over)):
             raise ForgeError("no usable checkpoint in " + str(self.root) + ":\n  " + "\n  ".join(passed_over))
+        if cut and writer is not None:  # the run's first save, still being written: not cut, not ours to move
+            raise ForgeError(
+                f"no checkpoint in {self.root} yet: {cut[0].name} is {_being_written(writer)}. Try again once that "
+                "save has ended."
+            )
         if cut and rank() == 0:  # saves cut short, and nothing else: not checkpoints, moved out of the way
             for path in cut:
                 self._move_aside(path)
@@ -392,17 +407,28 @@ class CheckpointManager:
         passes every check that needs no model: place, trainer state, metadata). Reads the
         same way loading does; loads no tensor. A payload is reported, not raised."""
         found: list[tuple[Path, str | None]] = []
-        for path in self.candidates():
+        candidates = self.candidates()
+        writer = self.writer_elsewhere() if any(_cut_short(p) for p in candidates) else None
+        for path in candidates:
             try:
                 self._check_owner(read_trainer_state(path, self._check_place(path)))
                 SafeReader(str(path)).read_metadata()
             except UnsafeCheckpointError as exc:
                 found.append((path, f"UNSAFE: {exc}"))
             except (ForgeError, OSError) as exc:
-                found.append((path, _describe(exc)))
+                found.append((path, _being_written(writer) if writer and _cut_short(path) else _describe(exc)))
             else:
                 found.append((path, None))
         return found
+
+    def writer_elsewhere(self) -> str | None:
+        """Who else writes this run's checkpoints now (``pid 12 on host n1, running since ...``):
+        another process training in the run directory, which holds its lock; None when none
+        does (a step directory without its trainer state is then a save cut short)."""
+        from forge_lm.train.run_lock import describe, other_holder  # here: forge_lm.train imports this module
+
+        holder = other_holder(self.root.parent)
+        return None if holder is None else describe(holder)
 
     def _check_owner(self, saved: dict[str, Any]) -> None:
         """A checkpoint another run wrote is not this run's to resume (one recording no run id,
@@ -535,6 +561,20 @@ def _gather_to_rank0(skeleton: dict[str, Any]) -> dict[str, Any] | None:
     skeletons: list[Any] | None = [None] * dist.get_world_size() if main else None
     dist.gather_object(skeleton, skeletons, dst=0)
     return merge_rank_skeletons(skeletons) if main else None
+
+
+def _being_written(writer: str | None) -> str:
+    return f"{SAVE_IN_PROGRESS}, by the run training in this directory ({writer})"
+
+
+def _interrupt_in(exc: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C (``KeyboardInterrupt``) behind a failed write, or None. DCP catches every
+    ``BaseException`` of a rank's write and hands it back wrapped in its own
+    :class:`CheckpointException`: unwrapped, a Ctrl-C would read as a damaged file."""
+    if isinstance(exc, CheckpointException):
+        inner = [error[0] if isinstance(error, tuple) else error for error in exc.failures.values()]
+        return next((error for error in inner if isinstance(error, KeyboardInterrupt)), None)
+    return exc if isinstance(exc, KeyboardInterrupt) else None
 
 
 def _describe(exc: BaseException) -> str:

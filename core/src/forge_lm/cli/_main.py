@@ -136,8 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ForgeError as exc:
         print(f"forge: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("forge: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # its text, if any, says what the Ctrl-C cut short
+        print(f"forge: interrupted {exc}" if str(exc) else "forge: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
 
 

@@ -138,6 +138,30 @@ class RunLock:
         self.release()
 
 
+def other_holder(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The run that holds ``run_dir`` now, if it is not this process: what its lock file names
+    (``{}`` when unreadable), or None. For commands that read a run directory while it may be
+    training (a step directory without its trainer state is then a save in progress, not a cut
+    one). Reads the file only and takes no lock, so that it never delays or refuses a run that
+    starts meanwhile: a holder on this host is alive if its pid is (a lock file a killed run left
+    behind names a free pid), one on another host is taken for alive."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None  # no lock file: no run holds it (a run removes it when it ends)
+    try:
+        holder = _read(fd)
+    except OSError:
+        holder = {}
+    finally:
+        os.close(fd)
+    if holder is None or _gone(holder, certain=True):
+        return None
+    if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        return None  # this process's own run
+    return holder
+
+
 def _flock(fd: int) -> bool | None:
     """True: locked; False: another process holds it; None: the file system has no flock."""
     if fcntl is None:  # pragma: no cover

@@ -58,7 +58,7 @@ def checkpoints(context: Context) -> list[Check]:
     directory = context.directory
     if context.torch is None or not (directory / "checkpoints").is_dir():
         return []
-    from forge_lm.checkpoint import CheckpointManager
+    from forge_lm.checkpoint import SAVE_IN_PROGRESS, CheckpointManager
 
     survey = CheckpointManager(directory).survey()
     unsafe = [f"{path.name}: {problem[8:]}" for path, problem in survey if problem and problem.startswith("UNSAFE: ")]
@@ -69,6 +69,8 @@ def checkpoints(context: Context) -> list[Check]:
         if not survey:
             return [Check("checkpoints", OK, "none yet")]
         first, problem = survey[0]
+        if all(problem.startswith(SAVE_IN_PROGRESS) for _, problem in survey):  # the run's first save, not damage
+            return [Check("checkpoints", OK, f"none yet: {first.name} is {problem}")]
         return [Check("checkpoints", FAIL, f"none usable: {first.name} ({problem}). Fix: remove the damaged ones")]
     skipped = [f"{path.name} ({problem})" for path, problem in survey if _step(path) > _step(usable)]
     if skipped:
