@@ -1,6 +1,7 @@
 """Inputs that made the start of a run hang instead of being refused: an evaluation asked to read
 a trillion batches (every set's batches are read once at the start), a data glob whose ``**``
-met a link to /proc (and through /proc/self/root, the whole machine, again and again)."""
+met a link to /proc (and through /proc/self/root, the whole machine, again and again), a
+tokenizer whose pre-tokenizer's regular expression backtracks catastrophically."""
 
 from __future__ import annotations
 
@@ -23,7 +24,42 @@ def data_with_a_link_to_proc(ws: Workspace) -> None:
     (data / "proc").symlink_to("/proc")
 
 
+def backtracking_tokenizer(ws: Workspace) -> None:
+    """A byte-level BPE whose pre-tokenizer first splits with ``(a+)+$`` (exponential on a run
+    of ``a`` followed by anything else), and a corpus holding such a run."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet)
+    tokenizer.train_from_iterator(["a plain corpus"] * 4, trainer)
+    split = pre_tokenizers.Split(Regex("(a+)+$"), "isolated")
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tokenizer.save(str(ws.root / "tokenizer.json"))
+    (ws.root / "corpus.txt").write_text("a" * 64 + "!\n" + "plain text\n" * 64)
+
+
 CASES = [
+    Case(
+        "tokenizer-regex-backtracks-catastrophically",
+        (
+            "train",
+            "{tiny}",
+            "--tokenizer.name=hf",
+            "--tokenizer.path={root}/tokenizer.json",
+            "--data.name=hf_text",
+            "--data.format=text",
+            "--data.path={root}/corpus.txt",
+            "--train.output_dir={run}",
+        ),
+        2,
+        r"forge: error: \[tokenizer\] path: '.*/tokenizer\.json': the regular expression '\(a\+\)\+\$' "
+        r"\(pre_tokenizer\.pretokenizers\[0\]\.pattern\) repeats '\(a\+\)\+', a repetition inside a repetition",
+        setup=backtracking_tokenizer,
+        subprocess=True,  # the old start hung, or a Rust panic ended it: the harness's timeout bounds it
+        check=nothing_written,
+    ),
     Case(
         "data-glob-meets-a-link-to-proc",
         ("train", "{tiny}", "--data.name=memmap", "--data.path={root}/data/**/*.bin", "--train.output_dir={run}"),

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from forge_lm.errors import ConfigError, PluginError
+from forge_lm.tokenizers.patterns import nested_repetition, regex_patterns
 
 INSTALL_HINT = "pip install forge-lm[hf]"
 
@@ -41,7 +42,18 @@ class HfTokenizer:
         self.vocab_size: int = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        except BaseException as exc:
+            # The library's Rust panics (its regex engine's retry limit, reached on some text by a
+            # pattern that backtracks) reach Python as pyo3's PanicException, a BaseException.
+            if type(exc).__name__ != "PanicException":
+                raise
+            raise ConfigError(
+                f"[tokenizer] path: '{self.path}': the tokenizers library failed while encoding a text that "
+                f"begins {text[:40]!r}: {' '.join(str(exc).split())}. A regular expression of the tokenizer "
+                "backtracks too much on it; simplify that pattern, or use another tokenizer.json."
+            ) from None
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -68,11 +80,28 @@ def load_tokenizer(path: str | Path) -> Any:
             "tokenizer saves with tokenizer.save(...) or save_pretrained(...))."
         )
     try:
-        return tokenizer_class.from_file(str(path))
+        tokenizer = tokenizer_class.from_file(str(path))
     except Exception as exc:  # the Rust library raises a bare Exception for any unreadable file
         raise ConfigError(
             f"[tokenizer] path: '{path}' is not a tokenizer.json the tokenizers library reads: {exc}"
         ) from exc
+    _vet_patterns(tokenizer, path)
+    return tokenizer
+
+
+def _vet_patterns(tokenizer: Any, path: Path) -> None:
+    """Refuse a regular expression that backtracks catastrophically (:mod:`.patterns`), read
+    from the loaded tokenizer's own serialisation: what the library parsed is what it runs."""
+    tree = json.loads(tokenizer.to_str())
+    for where, pattern in regex_patterns(tree):
+        nested = nested_repetition(pattern)
+        if nested is not None:
+            raise ConfigError(
+                f"[tokenizer] path: '{path}': the regular expression {pattern!r} ({where}) repeats {nested!r}, "
+                "a repetition inside a repetition: on some text it tries exponentially many ways to match "
+                "(catastrophic backtracking) and encoding hangs. Rewrite it without the nested repetition "
+                "(e.g. '(a+)+' as 'a+'), or use another tokenizer.json."
+            )
 
 
 def choose_eos_token(tokenizer: Any, path: Path, configured: str | None) -> str:
