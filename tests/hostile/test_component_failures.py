@@ -519,6 +519,45 @@ CASES = [
         r"logged as it is \(this warning is not repeated\)$",
         setup=evaluator("return {'hostile/acc': math.nan}"),
     ),
+    Case(  # issue 34: before, the run died later with a raw AdamW traceback (exit 1), the evaluator not named
+        "evaluator-casts-the-weights-to-bf16",
+        WITH_EVAL,
+        4,
+        rf"forge: error: {PLUGIN} changed parameter '.*' from torch\.float32 to torch\.bfloat16 in evaluate\(\) of "
+        r"its evaluator 'hostile_eval' at step 3; an evaluator must leave the weights as they are",
+        setup=evaluator("model.to(torch.bfloat16)\n        return {}"),
+        check=stopped_at(3, [1, 2, 3]),
+    ),
+    Case(
+        "evaluator-leaves-the-model-in-train-mode",
+        WITH_EVAL,
+        4,
+        rf"forge: error: {PLUGIN} left \d+ modules \('\(the model\)', \.\.\.\) in train mode in evaluate\(\) of "
+        r"its evaluator 'hostile_eval' at step 3; an evaluator must leave the model in the mode it was given",
+        setup=evaluator("model.train()\n        return {}"),
+        check=stopped_at(3, [1, 2, 3]),
+    ),
+    # -- model transforms -----------------------------------------------------------------------------------
+    Case(  # issue 34: before, the optimizer failed on an "empty parameter list", the transform not named
+        "transform-freezes-every-parameter",
+        TRAIN,
+        4,
+        rf"forge: error: {PLUGIN} left no parameter to train in apply\(\) of its model transform 'hostile_freeze': "
+        r"every parameter of the model has requires_grad = False after it .* run without it \(--block-plugin hostile\)",
+        setup=with_component(
+            """
+from forge_lm.distributed import ModelTransform
+
+def freeze(model, context):
+    for param in model.parameters():
+        param.requires_grad_(False)
+
+@hookimpl
+def forge_lm_register_model_transforms(register):
+    register("hostile_freeze", lambda options: ModelTransform("adaptation", lambda c: True, freeze), description="x")
+"""
+        ),
+    ),
     # -- what a plugin must leave alone: the working directory, Ctrl-C ------------------------------------
     Case(
         "step-end-changes-the-working-directory",

@@ -173,8 +173,9 @@ class _Guarded:
         return PluginHookFailed(
             self.component.plugin,
             f"model transform '{self.component.name}'",
-            "left no parameter to train: after its apply() every parameter of the model has requires_grad = False "
-            "(a transform that freezes parameters must leave some trainable)",
+            f"left no parameter to train in apply() of its model transform '{self.component.name}': every parameter "
+            "of the model has requires_grad = False after it (a transform that freezes parameters must leave some "
+            "trainable)",
             without=f"--block-plugin {self.component.plugin.name}",
         )
 

@@ -59,8 +59,9 @@ class CheckedEvaluator:
     it, and the rest is left out with one warning (on rank 0, where metrics are logged).
 
     An ``evaluate`` that raises (``SystemExit`` included, and a ``KeyboardInterrupt`` that is not
-    the user's Ctrl-C), changes the gradients of the model's parameters (it ran a backward pass)
-    or the working directory is a :class:`PluginHookFailed` naming the evaluator and its plugin:
+    the user's Ctrl-C), changes the gradients of the model's parameters (it ran a backward pass),
+    the weights (a cast such as ``model.to(torch.bfloat16)``, or an in-place write), the train/eval
+    mode of any module, or the working directory is a :class:`PluginHookFailed` naming the evaluator and its plugin:
     the training loop stops as for a failing ``eval_end`` hook, with the evaluated step
     checkpointed (exit 4). A NaN or infinite metric is logged as it is (a metric may be
     undefined), with one warning."""
@@ -73,6 +74,7 @@ class CheckedEvaluator:
 
     def evaluate(self, model: Any, step: int, earlier: Mapping[str, float]) -> dict[str, float]:
         gradients, directory = _gradient_versions(model), working_directory()
+        weights, modes = _weight_versions(model), _modes(model)
         try:
             returned = self.evaluator.evaluate(model, step)
         except BaseException as exc:  # any failure of a plugin's evaluator is reported naming it
@@ -92,6 +94,7 @@ class CheckedEvaluator:
                 f"evaluator '{self._component.name}' at step {step}; an evaluator must not run a backward pass "
                 "through the model (evaluate under torch.no_grad())"
             )
+        self._check_model_kept(model, step, weights, modes)
         try:
             good, problems = checked_metrics(returned, {*earlier, "step"})
         except Exception as exc:  # noqa: BLE001 - a returned object may fail in any way when read
@@ -113,6 +116,35 @@ class CheckedEvaluator:
             )
         return good
 
+    def _check_model_kept(self, model: Any, step: int, weights: dict[str, Any], modes: dict[str, bool]) -> None:
+        """The weights (dtype, in-place writes) and every module's train/eval mode are as the
+        evaluator found them: the run goes on training this model (metadata only, no sync)."""
+        if self._component is None:
+            return
+        where = f"in evaluate() of its evaluator '{self._component.name}' at step {step}"
+        after = _weight_versions(model)
+        for name, (identity, dtype, version) in weights.items():
+            now = after.get(name)
+            if now is None or now[0] != identity:
+                continue  # a parameter object replaced by a wrapper (FSDP2's unsharded views): not comparable
+            if now[1] != dtype:
+                self._fail(
+                    f"changed parameter '{name}' from {dtype} to {now[1]} {where}; an evaluator must leave the weights "
+                    "as they are (use torch.autocast or a copy, never model.to(dtype))"
+                )
+            if now[2] != version:
+                self._fail(
+                    f"wrote into parameter '{name}' {where}; an evaluator must leave the weights as they are "
+                    "(work on a copy)"
+                )
+        changed = [name for name, training in _modes(model).items() if modes.get(name, training) != training]
+        if changed:
+            mode = "train" if not modes[changed[0]] else "eval"
+            self._fail(
+                f"left {len(changed)} modules ('{changed[0]}', ...) in {mode} mode {where}; an evaluator must leave "
+                "the model in the mode it was given (restore any mode it changes)"
+            )
+
     def _fail(self, problem: str, cause: BaseException | None = None) -> None:
         name = self._component.name
         failure = PluginHookFailed(
@@ -127,6 +159,16 @@ def _gradient_versions(model: Any) -> dict[str, tuple[int, int] | None]:
         name: None if param.grad is None else (id(param.grad), param.grad._version)
         for name, param in model.named_parameters()
     }
+
+
+def _weight_versions(model: Any) -> dict[str, tuple[int, Any, int]]:
+    """Each parameter as (identity, dtype, version): a cast changes the dtype, an in-place write
+    the version (``param.data = ...`` keeps the identity)."""
+    return {name: (id(param), param.dtype, param._version) for name, param in model.named_parameters()}
+
+
+def _modes(model: Any) -> dict[str, bool]:
+    return {name or "(the model)": module.training for name, module in model.named_modules()}
 
 
 def build_evaluators(config: ForgeConfig, context: EvaluatorContext) -> list[CheckedEvaluator]:
