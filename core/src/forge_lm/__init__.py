@@ -8,11 +8,16 @@ trained model with :func:`load_pretrained`.
 
 from typing import Any
 
+from forge_lm._import_noise import quiet_known_import_noise
 from forge_lm.errors import ConfigError, ForgeError, PluginError, UsageError
 from forge_lm.hookspecs import hookimpl
 from forge_lm.plugins import PLUGIN_API_VERSION, core_version
 
 __version__ = core_version()
+
+# Any process that uses Forge (the CLI, a notebook calling load_pretrained) is spared torchao's
+# import-time lines; see forge_lm._import_noise.
+quiet_known_import_noise()
 
 
 def load_pretrained(path: Any, device: Any = "cpu", **kwargs: Any) -> tuple[Any, Any]:

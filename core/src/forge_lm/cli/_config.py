@@ -59,13 +59,12 @@ def _derived_values(config) -> str:
     later still sizes the vocabulary), and the reader still sees every number the run uses."""
     from forge_lm.config import model_options
     from forge_lm.errors import ForgeError
-    from forge_lm.model.memory import model_vocab_size
 
     options = model_options(config)
     lines = []
     if getattr(options, "vocab_size", 0) is None:
-        try:
-            size = f"{model_vocab_size(config, config.tokenizer.build())} (the tokenizer's vocabulary)"
+        try:  # building a tokenizer reads its file, not torch: show stays fast
+            size = f"{config.tokenizer.build().vocab_size} (the tokenizer's vocabulary)"
         except ForgeError as error:  # a tokenizer file not there yet: say so, the rest still shows
             size = "the tokenizer's vocabulary (not read here: " + " ".join(str(error).split()) + ")"
         lines.append(f"[model] vocab_size = {size}")
