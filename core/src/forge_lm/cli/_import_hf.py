@@ -32,7 +32,7 @@ def run(args, overrides, plugins) -> int:
     from forge_lm.checkpoint import CheckpointManager
     from forge_lm.config import TrainSection, merge, parse_overrides, structure_config
     from forge_lm.errors import ConfigError, ForgeError, UsageError
-    from forge_lm.model.hf import convert_from_hf
+    from forge_lm.model.hf import convert_from_hf, sized_table
     from forge_lm.train.run_dir import RunDirectory
 
     hf_dir = Path(args.hf_dir)
@@ -40,7 +40,8 @@ def run(args, overrides, plugins) -> int:
     imported = convert_from_hf(manager, hf_dir)  # the table's sizes and the state's tensors are checked there
     model_table = imported.table
     # The default training sequence length may exceed what a small imported model accepts.
-    layers = {"model": model_table, "train": {"seq_len": min(TrainSection().seq_len, model_table["max_seq_len"])}}
+    max_seq_len = sized_table(model_table)["max_seq_len"]
+    layers = {"model": model_table, "train": {"seq_len": min(TrainSection().seq_len, max_seq_len)}}
     try:  # the plugin's table alone, before the overrides: a mistake in it is the file's or the plugin's
         structure_config(layers, manager.registry)
     except (ConfigError, UsageError) as exc:

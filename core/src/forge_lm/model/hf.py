@@ -701,6 +701,16 @@ def export_with_plugins(
 IMPORTED_SIZES = ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len")
 
 
+def sized_table(table: dict[str, Any]) -> dict[str, Any]:
+    """The table of an imported ``[model]`` that states the sizes: the table itself, or, for a
+    family that nests its language model (a vision-language model's ``[model.language]``) and
+    states none of them at its own level, that one."""
+    nested = table.get("language")
+    if isinstance(nested, dict) and not any(key in table for key in IMPORTED_SIZES):
+        return nested
+    return table
+
+
 @dataclass(frozen=True)
 class HFImport:
     """A Hugging Face model directory converted by a plugin's ``forge_lm_hf_import``: the
@@ -743,11 +753,12 @@ def convert_from_hf(manager: Any, hf_dir: str | Path) -> HFImport:
         )
     plugin, converted = answer
     table, state = _checked_conversion(converted, "forge_lm_hf_import", "([model] table, Forge state dict)", plugin)
-    problems = [f"no {key}" for key in IMPORTED_SIZES if key not in table]
+    sizes = sized_table(table)
+    problems = [f"no {key}" for key in IMPORTED_SIZES if key not in sizes]
     problems += [
-        f"{key} = {_shown(table[key])}, not a positive integer"
+        f"{key} = {_shown(sizes[key])}, not a positive integer"
         for key in (*IMPORTED_SIZES, "n_kv_heads")
-        if key in table and not (key == "n_kv_heads" and table[key] is None) and not _positive_int(table[key])
+        if key in sizes and not (key == "n_kv_heads" and sizes[key] is None) and not _positive_int(sizes[key])
     ]
     not_tensors = [name for name, value in state.items() if not isinstance(value, torch.Tensor)]
     if not_tensors:

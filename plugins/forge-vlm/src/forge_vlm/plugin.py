@@ -99,8 +99,18 @@ def _cross_attention_module() -> Any:
     return sys.modules.get("forge_vlm.mllama")
 
 
+def _llava_class() -> type | None:
+    """forge_vlm.llava.Llava if it was imported (no llava model can exist otherwise), else None."""
+    return getattr(sys.modules.get("forge_vlm.llava"), "Llava", None)
+
+
 @hookimpl
 def forge_lm_hf_export(model, config):
+    llava = _llava_class()
+    if llava is not None and isinstance(model, llava):
+        from forge_vlm import hf_llava
+
+        return hf_llava.to_llava(model)
     module = _cross_attention_module()
     if module is None or not isinstance(model, module.CrossAttentionModel):
         return None
@@ -111,6 +121,10 @@ def forge_lm_hf_export(model, config):
 
 @hookimpl
 def forge_lm_hf_import(hf_config, state):
+    if hf_config.get("model_type") == "llava":
+        from forge_vlm import hf_llava
+
+        return hf_llava.from_llava(hf_config, state)
     if hf_config.get("model_type") != "mllama":
         return None
     from forge_vlm import hf_mllama
