@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from forge_lm.distributed.launch import detect_launch
+from forge_lm.errors import ConfigError
 from forge_lm.train.watchdog import HANG_EXIT_CODE
 
 KILLER = """
@@ -158,7 +160,26 @@ def test_more_ranks_claimed_than_started_is_named_before_anything_is_written(tmp
     assert "Traceback" not in err
     assert _first_error(err).startswith(f"forge: error: rank 0 could not join the run's 3 ranks ({claimed}) at "), err
     assert "1/3 clients joined" in err
+    # Said while it waited, before the timeout's message: what is expected, and for how long.
+    name = claimed.partition("=")[0]
+    waiting = (
+        f"forge: rank 0 is waiting for the run's 3 ranks (0-2, {claimed.replace(', from', ' from')}) to join at "
+        f"127.0.0.1:"
+    )
+    assert waiting in err, err
+    advice = f"gives up after [distributed] timeout = 3 s. If fewer processes were started, stop it and make {name}"
+    assert advice in err
+    assert err.index(waiting) < err.index("forge: error:")
     assert not run.exists()
+
+
+def test_torchrun_counts_on_one_node_that_disagree_with_world_size_are_named_at_once() -> None:
+    """No rendezvous needed: torchrun says how many processes it started on its one node."""
+    env = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1"}
+    with pytest.raises(ConfigError, match=r"^WORLD_SIZE=3 claims 3 ranks, but torchrun started 2 processes on its"):
+        detect_launch(env)
+    assert detect_launch({**env, "WORLD_SIZE": "2"}).world_size == 2
+    assert detect_launch({**env, "GROUP_WORLD_SIZE": "2"}).world_size == 3  # two nodes: the rendezvous decides
 
 
 ROUTER_FAILED = (

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, TypeVar
 
@@ -42,12 +43,14 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> Launch:
     """The launch described by the environment (``os.environ`` by default)."""
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return Launch(
+        launch = Launch(
             rank=_int(env, "RANK"),
             world_size=_int(env, "WORLD_SIZE"),
             local_rank=_int(env, "LOCAL_RANK", default=0),
             launcher="torchrun",
         )
+        _check_one_node(launch, env)
+        return launch
     if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", default=1) > 1:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if name not in env:
@@ -63,6 +66,23 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> Launch:
             launcher="slurm",
         )
     return Launch()
+
+
+def _check_one_node(launch: Launch, env: Mapping[str, str]) -> None:
+    """torchrun also says how many processes it started on this node (``LOCAL_WORLD_SIZE``) and
+    on how many nodes (``GROUP_WORLD_SIZE``). On one node the two counts must agree with
+    ``WORLD_SIZE``, and a disagreement is known at once, without waiting for ranks that will
+    never come. (Across nodes the per-node counts may differ: only the rendezvous can tell.)"""
+    if env.get("GROUP_WORLD_SIZE") != "1" or "LOCAL_WORLD_SIZE" not in env:
+        return
+    started = _int(env, "LOCAL_WORLD_SIZE")
+    if started != launch.world_size:
+        raise ConfigError(
+            f"WORLD_SIZE={launch.world_size} claims {launch.world_size} ranks, but torchrun started {started} "
+            f"processes on its one node (LOCAL_WORLD_SIZE={started}, GROUP_WORLD_SIZE=1): the run would wait for "
+            "ranks that never come. Do not set WORLD_SIZE yourself; let torchrun's --nproc_per_node and --nnodes "
+            "decide it."
+        )
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -109,11 +129,35 @@ class LaunchIncomplete(ForgeError):
     environment claims more ranks than were started, or some failed or cannot reach the first."""
 
 
-def _incomplete(launch: Launch, timeout_s: float, error: BaseException) -> str:
-    claimed = (
-        f"WORLD_SIZE={launch.world_size}" if launch.launcher == "torchrun" else f"SLURM_NTASKS={launch.world_size}"
+def _claimed(launch: Launch) -> str:
+    return f"WORLD_SIZE={launch.world_size}" if launch.launcher == "torchrun" else f"SLURM_NTASKS={launch.world_size}"
+
+
+def _address() -> str:
+    return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+
+
+def _waiting(launch: Launch, timeout_s: float) -> None:
+    """Said while the rendezvous waits (a slow start of other nodes is normal; a launch that
+    claims more ranks than it started is not): what is expected, and for how long."""
+    claimed = _claimed(launch)
+    print(
+        f"forge: rank {launch.rank} is waiting for the run's {launch.world_size} ranks (0-{launch.world_size - 1}, "
+        f"{claimed} from {launch.launcher}) to join at {_address()}; it gives up after [distributed] timeout = "
+        f"{timeout_s:g} s. If fewer processes were started, stop it and make {claimed.partition('=')[0]} the "
+        "number of processes started.",
+        file=sys.stderr,
+        flush=True,
     )
-    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+
+
+def _notice_after(timeout_s: float) -> float:
+    """Seconds of waiting before :func:`_waiting` speaks: a normal start is quiet."""
+    return min(10.0, timeout_s / 4)
+
+
+def _incomplete(launch: Launch, timeout_s: float, error: BaseException) -> str:
+    claimed, where = _claimed(launch), _address()
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return (
         f"rank {launch.rank} could not join the run's {launch.world_size} ranks ({claimed}, from {launch.launcher}) "
@@ -140,6 +184,9 @@ def init_distributed(launch: Launch, device: torch.device, timeout_s: float = 60
         os.environ.setdefault("LOCAL_RANK", str(launch.local_rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    notice = threading.Timer(_notice_after(timeout_s), _waiting, args=(launch, timeout_s))
+    notice.daemon = True
+    notice.start()
     try:
         dist.init_process_group(
             backend=backend_for(device),
@@ -148,6 +195,8 @@ def init_distributed(launch: Launch, device: torch.device, timeout_s: float = 60
         )
     except dist.DistError as exc:  # the store's "Timed out after N seconds waiting for clients. 1/4 clients joined."
         raise LaunchIncomplete(_incomplete(launch, timeout_s, exc)) from None
+    finally:
+        notice.cancel()
     _OWNED_GROUP = True
     JOINED = True
 
