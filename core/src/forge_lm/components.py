@@ -100,6 +100,14 @@ class LearningRateOptions:
 
 @runtime_checkable
 class Tokenizer(Protocol):
+    """Text to token ids and back. ``encode(text)`` gives the ids of the text alone: it adds no
+    end-of-text id (nor any other special id: datasets place ``eos_id`` between documents
+    themselves), and ``encode("")`` is ``[]``. ``decode(ids)`` gives no text for ``eos_id`` or
+    another special id (a packed sequence decodes to its documents' texts joined); an id outside
+    ``[0, vocab_size)`` is the caller's error, and what decode does with it is the tokenizer's
+    choice (the built-in ones leave it out). A lossless tokenizer round-trips every string,
+    control characters and every Unicode plane included (the conformance kit checks all this)."""
+
     vocab_size: int
     eos_id: int
 
