@@ -12,6 +12,7 @@ from types import ModuleType
 
 import pytest
 
+from forge_lm.errors import ForgeError
 from forge_lm.plugins import CATEGORIES
 from forge_lm.plugins._categories import singular
 from forge_lm.testing import check_component, component_checks
@@ -59,3 +60,16 @@ def test_the_good_version_passes_every_check(category: str) -> None:
     factory, options, aids = base.GOOD[category]
     manager = base.manager_with(category, factory, base.options_class(options))
     check_component(category, base.NAME, manager=manager, **aids)
+
+
+@pytest.mark.parametrize(
+    ("category", "section"),
+    [("feed_forwards", "[model.ffn]"), ("schedulers", "[scheduler]"), ("model_transforms", "[transforms.mutant]")],
+)
+def test_a_bad_option_is_named_by_the_section_users_write(category: str, section: str) -> None:
+    factory, options, _ = base.GOOD[category]
+    manager = base.manager_with(category, factory, base.options_class(options))
+    check = component_checks(category, base.NAME, manager=manager, options={"no_such_option": 1})[0]
+    with pytest.raises(ForgeError) as caught:
+        check()
+    assert str(caught.value).startswith(f"{section} no_such_option: unknown key"), str(caught.value)

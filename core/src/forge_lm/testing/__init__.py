@@ -19,17 +19,35 @@ expected (the pass mark) and what it measured.
   falls by at least 20% within 40 steps (run at ``lr = 1e-2`` unless the options give one); a
   state-dict round trip (plain data, ``weights_only`` loadable) resumes bit for bit.
 - schedulers: the documented linear warmup ``(s + 1) / W``, always run with a warmup: the
-  options table's ``warmup_steps`` when it sets one, else ``W = 4`` (the check is skipped, with
-  the reason, when the options have no ``warmup_steps`` field); rates within ``[0, base]``
-  with a first step above 0; a state-dict round trip at step 37 resumes the same schedule.
+  warmup field is ``warmup_steps`` (:class:`~forge_lm.components.WarmupOptions`'s) or else the
+  options' one integer field whose name holds ``warmup`` (``warmup``, ``warmup_iters``), set to
+  the options table's value when it gives one, else ``W = 4`` (the check is skipped, with the
+  reason, when the options have no such field); rates within ``[0, base]`` with a first step
+  above 0; a state-dict round trip at step 37 resumes the same schedule.
 - losses: finite value and gradients; positions labelled ``IGNORE_INDEX`` have no effect; the
   value is a token mean (what gradient accumulation relies on); equality with an independent
   reference.
 - datasets: sample form; reproducibility; a state round trip restores the exact next sample;
   data-parallel ranks get distinct samples.
 - metrics backends: writes only inside the run directory; what was logged is recorded.
-- tokenizers: ids and ``eos_id`` within the vocabulary; ``decode(encode(text)) == text``.
-- feed-forward layers: shape-preserving, finite, gradients reach the input and every parameter.
+- tokenizers: ids and ``eos_id`` within the vocabulary; ``decode(encode(text)) == text`` over
+  plain text, tabs and newlines, control characters, a character of each of Unicode's 17 planes
+  and the empty string; ``encode`` adds no ``eos_id`` (``encode("") == []``); ``decode`` gives no
+  text for ``eos_id`` (two documents with it between decode as the two texts).
+- feed-forward layers: shape-preserving, finite, gradients reach the input and every parameter;
+  in eval mode two passes are identical; initialisation only through the Initializer (two
+  builds with one seed agree bitwise, another seed differs, a build on the meta device
+  initialises to the plain build's values).
+- model transforms, on a one-process CPU run of a tiny llama model (the transform's options in
+  ``[transforms.<name>]``): the factory returns a ``ModelTransform`` whose slot is one of
+  ``TRANSFORM_ORDER``; ``enabled(context)`` answers a bool; neither ``enabled`` nor ``apply``
+  changes the run's config; ``apply`` keeps every parameter name and leaves at least one
+  parameter to train (skipped, with the reason, when the transform is not enabled in that run).
+- evaluators, built with a one-process CPU ``EvaluatorContext`` (the ``bytes`` tokenizer) and
+  called as the loop calls them (a tiny llama model in eval mode, under ``torch.no_grad()``):
+  ``evaluate`` returns a mapping of metric names to finite Python numbers (an undefined metric
+  is left out); the weights (values and dtypes), ``requires_grad``, gradients and every
+  module's train/eval mode are the same after the call.
 - routers (the contract forge-moe defines: ``factory(options, dim, n_experts, top_k)``,
   ``router(x) -> indices, weights, aux_losses``): shapes and dtypes (``[batch * seq, top_k]``,
   int64 and float32; scalar aux losses); ``top_k`` distinct experts in ``[0, n_experts)`` per
@@ -57,11 +75,10 @@ expected (the pass mark) and what it measured.
   determinism; initialisation through the Initializer (seed-determined, the same from the meta
   device); gradients to the input and every parameter; decoding with a ``KVCache`` matches the
   full pass; the capabilities it claims are well formed.
-- every category: the options survive a round trip through a config table.
+- every category: the options survive a round trip through a config table; an option the
+  kit's table gets wrong is named as users write the section (``[model.ffn] hidden``).
 - distributions: entry points in the ``forge_lm`` group; plugin modules import no heavy
   dependency; the declared plugin API range admits this core; the plugin loads with status ok.
-
-Model transforms and evaluators have no behavioural checks yet.
 
 Keywords of :func:`component_checks` (the third item of a ``parametrize_with_checks``
 component tuple holds them; an aid a category does not use is refused with a ``TypeError``):
@@ -86,6 +103,13 @@ component tuple holds them; an aid a category does not use is refused with a ``T
 - attentions: ``spec=AttentionSpec(...)``, the sizes the layer is built with (default ``dim=32,
   n_heads=4, n_kv_heads=2, head_dim=8, n_layers=2, max_seq_len=64``); the kit changes only its
   ``backend``.
+- model transforms: ``config``, a run config table merged over the kit's (``{"train":
+  {"activation_checkpointing": "full"}}``), for a transform enabled by other sections.
+- evaluators: ``context=EvaluatorContext(...)``, the context the evaluator is built with, for
+  one that needs another tokenizer or sizes.
+
+The kit's own regression suite is ``tests/kit_mutants`` in Forge's repository: broken
+components of every category, each failed on the check it names.
 """
 
 from forge_lm.testing._kit import Check, check_component, component_checks, parametrize_with_checks
