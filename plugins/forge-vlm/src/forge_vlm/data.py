@@ -16,7 +16,7 @@ images per row; without ``pack`` each row holds one document. A row gives one sa
 
 The image token id and ``tokens_per_image`` are the model's (``DataContext.model``: the one
 place they are set). A missing, unreadable or corrupt image skips its record, counted
-(``skipped_images``, one warning naming the first, an event per skip), never a crash; a record
+(``skipped_images``, one warning naming the first, a ``vlm/image_skipped`` event per skip), never a crash; a record
 whose ``<image>`` markers and images differ in number is refused, naming the line. Image
 paths are relative to the JSON-lines file's folder and may not lead out of its folder tree
 (``..``, absolute paths, links) unless ``allow_outside`` is set.
@@ -206,10 +206,10 @@ class PackedImageText(torch.utils.data.IterableDataset):
         if self.skipped_images == 1:
             print(
                 f"forge-vlm: warning: {where}: {why}; the record is skipped (skips are counted, "
-                "each one an 'image_skipped' event).",
+                "each one a 'vlm/image_skipped' event).",
                 file=sys.stderr,
             )
-        events.record("image_skipped", where=where, reason=why, count=self.skipped_images)
+        events.record("vlm/image_skipped", where=where, reason=why, count=self.skipped_images)
 
 
 def _images_within(tokens: list[int], images: list[torch.Tensor], image_token: int, per_image: int) -> list:
