@@ -75,6 +75,8 @@ back first): relative paths of the run would point elsewhere.
 - :func:`forge_lm_hf_export` and :func:`forge_lm_hf_import` refuse a model with a
   :class:`forge_lm.errors.ForgeError`, shown as it is; anything else they raise is reported as
   that plugin's bug (exit 4).
+- :func:`forge_lm_plot_panels` that raises, or returns anything but a list of
+  :class:`forge_lm.metrics.plot_panels.PlotPanel`, stops ``forge plot`` naming the plugin (exit 4).
 - A plugin that fails to load is ``broken``, one whose plugin API range excludes this core
   ``incompatible``: ``forge train`` warns about each at start (one line, with the reason)
   and runs without it, unless the config names one of its components (exit 2).
@@ -316,6 +318,23 @@ def forge_lm_hf_import(
     last (``trylast``), for ``model_type`` ``"llama"`` and ``"qwen3"``. When no plugin answers,
     ``forge import-hf`` stops with a message naming the model type, the plugins it asked and,
     for a type a first-party plugin converts, that plugin."""
+
+
+# --------------------------------------------------------------------------------------
+# Commands: what a plugin adds to a command other than training.
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def forge_lm_plot_panels(keys: frozenset[str]) -> list[Any] | None:
+    """Panels ``forge plot`` draws after the core's, for the metrics this plugin logs.
+
+    ``keys`` holds every metric key the plotted runs logged. Return a list of
+    :class:`forge_lm.metrics.plot_panels.PlotPanel` (a title and the keys it draws, each with
+    its legend label) for the keys among them this plugin knows, or None. The panels follow
+    the core's five in the plugins' call order. Build them without importing matplotlib or
+    torch. Anything but a list of ``PlotPanel`` stops ``forge plot``, naming the plugin (exit 4).
+    """
 
 
 # --------------------------------------------------------------------------------------

@@ -8,10 +8,13 @@ import sys
 
 import pytest
 
+from forge_lm import hookimpl
 from forge_lm.cli import main
 from forge_lm.errors import PluginError, UsageError
 from forge_lm.metrics import plot as plot_module
 from forge_lm.metrics.plot import build_figure, plot_run, plot_runs, run_names
+from forge_lm.metrics.plot_panels import PlotPanel
+from forge_lm.plugins import PluginHookFailed, PluginManager, PluginSettings
 from forge_lm.run_links import LinkInRunDir
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -146,8 +149,8 @@ def test_memory_of_several_runs_is_labelled_by_run_and_kind():
 def test_plot_run_writes_a_png_of_the_figure_drawn_from_the_file(run_dir, monkeypatch):
     drawn = []
 
-    def recording_build_figure(runs, title=""):
-        figure = build_figure(runs, title)
+    def recording_build_figure(runs, title="", panels=None):
+        figure = build_figure(runs, title, panels)
         drawn.append(figure)
         return figure
 
@@ -189,9 +192,9 @@ def test_a_last_line_cut_short_by_a_crash_is_left_out(run_dir, monkeypatch):
         handle.write('{"step": 50, "loss"')  # a crash in the middle of a write
     drawn = []
 
-    def recording_build_figure(runs, title=""):
+    def recording_build_figure(runs, title="", panels=None):
         drawn.append(runs)
-        return build_figure(runs, title)
+        return build_figure(runs, title, panels)
 
     monkeypatch.setattr(plot_module, "build_figure", recording_build_figure)
     notes = []
@@ -270,9 +273,9 @@ def recording(monkeypatch) -> list:
     """Replace build_figure by one that keeps what it was given (runs, title)."""
     drawn = []
 
-    def recording_build_figure(runs, title=""):
+    def recording_build_figure(runs, title="", panels=None):
         drawn.append((runs, title))
-        return build_figure(runs, title)
+        return build_figure(runs, title, panels)
 
     monkeypatch.setattr(plot_module, "build_figure", recording_build_figure)
     return drawn
@@ -403,5 +406,120 @@ def test_forge_plot_help_names_the_panels_and_the_default_outputs(capsys):
 
     out = " ".join(capsys.readouterr().out.split())
     assert "RUN_DIR [RUN_DIR ...]" in out
-    assert "loss, eval loss, learning rate, tokens/s and memory" in out
+    assert "loss, eval loss (every named set's too), learning rate, tokens/s and memory" in out
+    assert "the panels plugins add (forge- moe: load balance and drops per layer)" in out  # argparse breaks at '-'
     assert "RUN_DIR/metrics.png for one run, compare.png in the first RUN_DIR for several" in out
+
+
+NAMED_SETS = [
+    {"step": 10, "loss": 4.0},
+    {"step": 10, "eval/code/loss": 3.5, "eval/code/perplexity": 33.1, "eval/prose/loss": 4.25},
+    {"step": 20, "loss": 3.0},
+    {"step": 20, "eval/code/loss": 3.0, "eval/code/perplexity": 20.1, "eval/prose/loss": 3.75},
+]
+
+
+def test_a_run_that_evaluated_named_sets_draws_each_set_labelled_with_its_name():
+    figure = build_figure({"run": NAMED_SETS})
+
+    eval_loss = figure.axes[1]
+    assert lines_by_panel(figure)["eval loss"] == {"code": ([10, 20], [3.5, 3.0]), "prose": ([10, 20], [4.25, 3.75])}
+    assert list(eval_loss.texts) == []  # not "not logged"
+    assert legend_labels(eval_loss) == ["code", "prose"]
+    assert [line.get_marker() for line in eval_loss.get_lines()] == ["o", "o"]
+
+
+def test_named_sets_and_the_held_out_split_of_several_runs_are_labelled_by_run_and_set():
+    figure = build_figure({"sets": NAMED_SETS, "split": RECORDS})
+
+    assert lines_by_panel(figure)["eval loss"] == {
+        "sets code": ([10, 20], [3.5, 3.0]),
+        "sets prose": ([10, 20], [4.25, 3.75]),
+        "split held-out split": ([20, 40], [3.9, 3.5]),
+    }
+
+
+def test_a_file_of_named_set_evaluations_only_is_plotted_and_its_bad_values_noted(tmp_path, monkeypatch):
+    records = [{"step": 5, "eval/code/loss": 2.5}, {"step": 6, "eval/code/loss": "NaN"}]
+    write_run(tmp_path / "run", records)
+    drawn = recording(monkeypatch)
+    notes = []
+
+    plot_run(tmp_path / "run", notes=notes)
+
+    ((runs, _),) = drawn
+    assert lines_by_panel(build_figure(runs))["eval loss"] == {"code": ([5], [2.5])}
+    assert notes == [
+        f"{tmp_path / 'run' / 'metrics.jsonl'}: left out 1 value that is not a finite number: eval/code/loss (1)."
+    ]
+
+
+class PanelPlugin:
+    """A plugin adding one panel of the 'gate/<i>' keys the runs logged (and nothing else)."""
+
+    FORGE_LM_PLUGIN_API = ">=1,<2"
+    seen: list = []
+
+    @hookimpl
+    def forge_lm_plot_panels(self, keys):
+        self.seen.append(keys)
+        gates = sorted(key for key in keys if key.startswith("gate/"))
+        return [PlotPanel("gates", [(key, key.removeprefix("gate/")) for key in gates])] if gates else None
+
+
+def manager_with(plugin, name="panels"):
+    manager = PluginManager(PluginSettings(), entry_points=False)
+    manager.add_plugin(plugin, name)
+    return manager
+
+
+def test_a_plugin_panel_follows_the_core_panels_with_the_keys_it_chose(tmp_path):
+    records = [{"step": 1, "loss": 2.0, "gate/a": 0.5, "gate/b": 0.25}, {"step": 2, "loss": 1.5, "gate/a": 0.75}]
+    write_run(tmp_path / "run", records)
+    plugin = PanelPlugin()
+    plugin.seen = []
+    drawn = []
+    real = plot_module.build_figure
+
+    def keep(runs, title="", panels=None):
+        drawn.append(real(runs, title, panels))
+        return drawn[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plot_module, "build_figure", keep)
+        plot_run(tmp_path / "run", manager=manager_with(plugin))
+
+    assert plugin.seen == [frozenset({"loss", "gate/a", "gate/b"})]
+    (figure,) = drawn
+    assert [ax.get_title(loc="left") for ax in figure.axes] == [
+        "loss",
+        "eval loss",
+        "learning rate",
+        "tokens / s",
+        "memory (GiB)",
+        "gates",
+    ]
+    assert lines_by_panel(figure)["gates"] == {"a": ([1, 2], [0.5, 0.75]), "b": ([1], [0.25])}
+    assert [line.get_color() for line in figure.axes[5].get_lines()] == ["C0", "C1"]  # one run: a colour per key
+
+
+class BadPanelPlugin:
+    FORGE_LM_PLUGIN_API = ">=1,<2"
+
+    @hookimpl
+    def forge_lm_plot_panels(self, keys):
+        return {"title": "gates"}
+
+
+def test_a_plugin_returning_anything_but_panels_is_named(run_dir):
+    with pytest.raises(PluginHookFailed, match=r"plugin 'bad' .* returned dict from forge_lm_plot_panels"):
+        plot_run(run_dir, manager=manager_with(BadPanelPlugin(), "bad"))
+
+
+@pytest.mark.parametrize(
+    ("title", "lines", "problem"),
+    [("", [("k", None)], "title"), ("t", [], "at least one"), ("t", [("k", 3)], "metric key, label")],
+)
+def test_a_malformed_panel_is_refused_where_it_is_made(title, lines, problem):
+    with pytest.raises(ValueError, match=problem):
+        PlotPanel(title, lines)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import sys
 
 HELP = (
-    "plot the loss, eval loss, learning rate, tokens/s and memory of a run (from its metrics.jsonl) "
-    "into a PNG; give several runs to draw them over each other, each labelled with its directory's name"
+    "plot the loss, eval loss (every named set's too), learning rate, tokens/s and memory of a run (from its "
+    "metrics.jsonl), and the panels plugins add (forge-moe: load balance and drops per layer), into a PNG; give "
+    "several runs to draw them over each other, each labelled with its directory's name"
 )
 EPILOG = (
     "A panel that no run logged is marked 'not logged'. Runs that share a directory name are told "
@@ -36,11 +37,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args, overrides, plugins) -> int:
-    # Plotting reads files and needs no plugins, so `plugins` is never called.
+    # Plugins are loaded for their panels (forge_lm_plot_panels); --no-plugin-autoload draws the core's alone.
     from forge_lm.metrics.plot import plot_runs
 
     notes: list[str] = []
-    output = plot_runs(args.run_dirs, args.output, notes)
+    output = plot_runs(args.run_dirs, args.output, notes, manager=plugins())
     for note in notes:
         print(f"forge: note: {note}", file=sys.stderr)
     print(f"wrote {output}")

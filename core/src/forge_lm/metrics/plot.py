@@ -1,16 +1,20 @@
 """A PNG of the metrics of one run, or of several runs drawn over each other.
 
-Reads the ``metrics.jsonl`` that the jsonl backend writes. The figure has five panels sharing
-the step axis, always in this order: training loss, evaluation loss, learning rate, tokens/s
-and memory (every ``memory/*_gib`` key a run logged: ``rss`` on CPU; ``allocated``,
-``reserved`` and ``peak`` on CUDA). A panel that no run has data for stays in place, marked
-"not logged", so that figures of different runs always have the same layout.
+Reads the ``metrics.jsonl`` that the jsonl backend writes. The figure's panels share the step
+axis. The core's five come first, always in this order: training loss, evaluation loss (the
+held-out split's ``eval/loss`` and every named set's ``eval/<set>/loss``, labelled with the
+set's name), learning rate, tokens/s and memory (every ``memory/*_gib`` key a run logged:
+``rss`` on CPU; ``allocated``, ``reserved`` and ``peak`` on CUDA). A core panel that no run has
+data for stays in place, marked "not logged", so that figures of different runs always have the
+same layout. Plugins add panels after them (forge-moe: load balance and drops per layer)
+through the ``forge_lm_plot_panels`` hook; see :mod:`forge_lm.metrics.plot_panels`.
 
 Each run is drawn in a colour of its own and labelled with its name: the name of its run
 directory, or, when two runs share that name, as many of the parent folders as tell them
-apart (``sweep-a/run``, ``sweep-b/run``). In the memory panel the label adds the kind of
-memory (``run allocated``); each kind has a line style of its own. With one run the memory
-lines are labelled with the kind alone.
+apart (``sweep-a/run``, ``sweep-b/run``). In a panel of several keys (memory kinds, named
+evaluation sets, a plugin's per-layer lines) the label adds the key's label (``run
+allocated``) and each key has a line style of its own; with one run the lines are labelled
+with the key's label alone and each has a colour of its own.
 
 A metrics file is untrusted input. Lines that are not JSON objects, records without a
 whole-number ``step``, and values that are not finite numbers (text, ``null``, ``NaN``,
@@ -27,12 +31,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from forge_lm.errors import PluginError, UsageError
 from forge_lm.metrics import EVAL_LOSS, LEARNING_RATE, LOSS, TOKENS_PER_SECOND
+from forge_lm.metrics.plot_panels import PlotPanel, core_panels, is_core_key, plugin_panels
 from forge_lm.run_links import refuse_links
 
 INSTALL_HINT = "pip install forge-lm[plot]"
@@ -40,43 +45,11 @@ METRICS_FILE = "metrics.jsonl"
 SINGLE_OUTPUT = "metrics.png"  # written into the run directory when one run is plotted
 COMPARE_OUTPUT = "compare.png"  # written into the first run's directory when several are
 
-MEMORY_PREFIX, MEMORY_SUFFIX = "memory/", "_gib"
-MEMORY = "memory"  # the panel of every memory/*_gib key, whichever a run logged
-
-# One panel per entry: its title and the key it draws (MEMORY: all memory/*_gib keys).
-PANELS: list[tuple[str, str]] = [
-    ("loss", LOSS),
-    ("eval loss", EVAL_LOSS),
-    ("learning rate", LEARNING_RATE),
-    ("tokens / s", TOKENS_PER_SECOND),
-    ("memory (GiB)", MEMORY),
-]
-PLOTTED = frozenset(key for _, key in PANELS if key != MEMORY)  # and every memory/*_gib key
 PANEL_HEIGHT = 2.3  # inches per panel; the figure is 8 inches wide
 DPI = 120
-
-# Memory kinds in the order their lines are drawn (and take line styles); others follow, sorted.
-MEMORY_ORDER = ("allocated", "reserved", "peak", "rss", "peak_rss")
 LINE_STYLES = ("-", "--", ":", "-.")
+LEGEND_COLUMNS_AT = 8  # a legend of more lines than this is laid out in columns
 MAX_STEP = 2**63 - 1
-
-
-def is_memory_key(key: str) -> bool:
-    return (
-        key.startswith(MEMORY_PREFIX) and key.endswith(MEMORY_SUFFIX) and len(key) > len(MEMORY_PREFIX + MEMORY_SUFFIX)
-    )
-
-
-def memory_kind(key: str) -> str:
-    """``memory/allocated_gib`` -> ``allocated``."""
-    return key[len(MEMORY_PREFIX) : -len(MEMORY_SUFFIX)]
-
-
-def memory_keys(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
-    """The memory/*_gib keys any of the runs logged, in drawing order."""
-    found = {key for records in runs.values() for record in records for key in record if is_memory_key(key)}
-    rank = {kind: i for i, kind in enumerate(MEMORY_ORDER)}
-    return sorted(found, key=lambda key: (rank.get(memory_kind(key), len(rank)), key))
 
 
 def series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -88,12 +61,19 @@ def series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], l
     return [step for step, _ in points], [value for _, value in points]
 
 
-def clean_records(records: Sequence[Any]) -> tuple[list[dict[str, Any]], list[str]]:
+def logged_keys(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> frozenset[str]:
+    """Every key but ``step`` that a record of one of the runs holds."""
+    return frozenset(key for records in runs.values() for record in records for key in record if key != "step")
+
+
+def clean_records(
+    records: Sequence[Any], drawn: Callable[[str], bool] = is_core_key
+) -> tuple[list[dict[str, Any]], list[str]]:
     """The records of a metrics file fit to plot, and what was left out, in words.
 
     Left out: entries that are not JSON objects, records whose ``step`` is missing or not a
-    whole number from 0, and (only from the keys a panel draws) values that are not finite
-    numbers. Other keys are kept as they are: nothing reads them.
+    whole number from 0, and (only from the keys a panel draws: ``drawn(key)``) values that
+    are not finite numbers. Other keys are kept as they are: nothing reads them.
     """
     clean: list[dict[str, Any]] = []
     not_objects = 0
@@ -109,7 +89,7 @@ def clean_records(records: Sequence[Any]) -> tuple[list[dict[str, Any]], list[st
             continue
         kept: dict[str, Any] = {**record, "step": step}
         for key, value in record.items():
-            if key in PLOTTED or is_memory_key(key):
+            if drawn(key):
                 number = _finite_number(value)
                 if number is None:
                     bad_values[key] += 1
@@ -157,46 +137,52 @@ def _verb(n: int) -> str:
     return "is" if n == 1 else "are"
 
 
-def build_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], title: str = "") -> Any:
-    """A matplotlib Figure with one panel per :data:`PANELS` entry, sharing the step axis.
+def build_figure(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]], title: str = "", panels: Sequence[PlotPanel] | None = None
+) -> Any:
+    """A matplotlib Figure with one panel per entry of ``panels``, sharing the step axis.
 
     ``runs`` maps each run's label to its records (cleaned by :func:`clean_records`), in the
-    order the runs are drawn. A legend names the lines of a panel when the figure has several
-    runs, or the panel several lines.
+    order the runs are drawn. ``panels`` defaults to the core's (:func:`core_panels` of the keys
+    the runs logged). With several runs each run has a colour of its own in every panel and
+    each key of a panel a line style; with one run each key has a colour of its own. A legend
+    names the lines of a panel when the figure has several runs, or the panel several lines.
     """
+    if panels is None:
+        panels = core_panels(logged_keys(runs))
     figure_class, canvas_class = _matplotlib()
-    figure = figure_class(figsize=(8, PANEL_HEIGHT * len(PANELS)), layout="constrained")
+    figure = figure_class(figsize=(8, PANEL_HEIGHT * len(panels)), layout="constrained")
     canvas_class(figure)  # attaches itself to the figure: savefig then renders with Agg
-    axes = figure.subplots(len(PANELS), 1, sharex=True)
-    memory = memory_keys(runs)
+    axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     several = len(runs) > 1
-    for ax, (panel_title, panel_key) in zip(axes, PANELS, strict=True):
-        for index, (name, records) in enumerate(runs.items()):
-            color = f"C{index % 10}"  # a run keeps its colour in every panel
-            if panel_key != MEMORY:
-                steps, values = series(records, panel_key)
-                if steps:
-                    # Evaluations are few points: markers show where each one was taken.
-                    marker = "o" if panel_key == EVAL_LOSS else None
-                    ax.plot(steps, values, label=name, color=color, marker=marker, markersize=3)
-                continue
-            for key_index, key in enumerate(memory):
-                steps, values = series(records, key)
-                if steps:
-                    label = f"{name} {memory_kind(key)}" if several else memory_kind(key)
-                    style = LINE_STYLES[key_index % len(LINE_STYLES)]
-                    ax.plot(steps, values, label=label, color=color, linestyle=style)
-        ax.set_title(panel_title, loc="left")
-        ax.grid(alpha=0.3)
-        lines = ax.get_lines()
-        if not lines:
-            ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="gray")
-        elif several or len(lines) > 1:
-            ax.legend(fontsize="small")
+    for ax, panel in zip(axes, panels, strict=True):
+        _draw_panel(ax, panel, runs, several)
     axes[-1].set_xlabel("step")
     if title:
         figure.suptitle(title)
     return figure
+
+
+def _draw_panel(ax: Any, panel: PlotPanel, runs: Mapping[str, Sequence[Mapping[str, Any]]], several: bool) -> None:
+    marker = "o" if panel.markers else None
+    for run_index, (name, records) in enumerate(runs.items()):
+        for key_index, (key, label) in enumerate(panel.lines):
+            steps, values = series(records, key)
+            if not steps:
+                continue
+            # A key without a label is the run's own line; with several runs a label names its run too.
+            line_label = name if label is None else (f"{name} {label}" if several else label)
+            color = f"C{(run_index if several else key_index) % 10}"  # a run keeps its colour in every panel
+            style = LINE_STYLES[key_index % len(LINE_STYLES)]
+            ax.plot(steps, values, label=line_label, color=color, linestyle=style, marker=marker, markersize=3)
+    ax.set_title(panel.title, loc="left")
+    ax.grid(alpha=0.3)
+    lines = ax.get_lines()
+    if not lines:
+        ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="gray")
+    elif several or len(lines) > 1:
+        columns = 1 + (len(lines) - 1) // LEGEND_COLUMNS_AT
+        ax.legend(fontsize="small" if columns == 1 else "x-small", ncols=columns)
 
 
 def metrics_file_of(path: str | Path) -> Path:
@@ -237,35 +223,51 @@ def run_names(metrics_files: Sequence[Path]) -> list[str]:
             return [f"{label} ({i + 1})" if label in clashing else label for i, label in enumerate(labels)]
 
 
-def load_run(metrics_file: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The cleaned records of one metrics file and the notes on what was left out of it."""
+def read_run(metrics_file: Path) -> list[Any]:
+    """The entries of one metrics file, as read (untrusted: see :func:`clean_records`)."""
     from forge_lm.metrics.jsonl import read_metrics
 
     try:
-        records = read_metrics(metrics_file)
+        return read_metrics(metrics_file)
     except UnicodeDecodeError:
         raise UsageError(f"'{metrics_file}' is not a text file; give the metrics.jsonl of a run.") from None
     except ValueError as exc:  # a damaged line; the message names the file and the line
         raise UsageError(f"{exc}. Remove or repair that line to plot the rest.") from None
     except OSError as exc:
         raise UsageError(f"cannot read '{metrics_file}': {exc.strerror or exc}.") from None
-    records, omissions = clean_records(records)
+
+
+def load_run(metrics_file: Path, drawn: Callable[[str], bool] = is_core_key) -> tuple[list[dict[str, Any]], list[str]]:
+    """The cleaned records of one metrics file and the notes on what was left out of it."""
+    return clean_run(metrics_file, read_run(metrics_file), drawn)
+
+
+def clean_run(
+    metrics_file: Path, entries: Sequence[Any], drawn: Callable[[str], bool]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    records, omissions = clean_records(entries, drawn)
     notes = [f"{metrics_file}: left out {', '.join(omissions)}."] if omissions else []
-    if not any(key in PLOTTED or is_memory_key(key) for record in records for key in record):
+    if not any(drawn(key) for record in records for key in record):
         raise UsageError(
             f"'{metrics_file}' has no {LOSS}, {LEARNING_RATE} or {TOKENS_PER_SECOND} records to plot "
-            f"(nor {EVAL_LOSS} or memory/..._gib ones)."
+            f"(nor {EVAL_LOSS}, eval/<set>/loss, memory/..._gib or a key a plugin's panel draws)."
         )
     return records, notes
 
 
-def plot_runs(run_dirs: Sequence[str | Path], output: str | Path | None = None, notes: list[str] | None = None) -> Path:
+def plot_runs(
+    run_dirs: Sequence[str | Path],
+    output: str | Path | None = None,
+    notes: list[str] | None = None,
+    manager: Any = None,
+) -> Path:
     """Draw the metrics of ``run_dirs`` over each other into ``output``; return its path.
 
     Each entry of ``run_dirs`` is a run directory or its metrics file. ``output`` defaults to
     ``metrics.png`` in the run's directory for one run, and to ``compare.png`` in the first
     run's directory for several. What was left out of a metrics file is appended to ``notes``
-    (when given) as one sentence per file.
+    (when given) as one sentence per file. With a plugin ``manager``, the panels its plugins
+    return from ``forge_lm_plot_panels`` follow the core's.
     """
     if not run_dirs:
         raise UsageError("give at least one run directory to plot.")
@@ -276,10 +278,21 @@ def plot_runs(run_dirs: Sequence[str | Path], output: str | Path | None = None, 
         if resolved in seen:
             raise UsageError(f"'{given}' and '{seen[resolved]}' are the same run; give each run once.")
         seen[resolved] = given
+    entries = {name: read_run(file) for name, file in zip(run_names(metrics_files), metrics_files, strict=True)}
+    keys = frozenset(
+        key
+        for records in entries.values()
+        for record in records
+        if isinstance(record, dict)
+        for key in record
+        if key != "step"
+    )
+    added = plugin_panels(manager, keys) if manager is not None else []
+    plugin_keys = frozenset(key for panel in added for key in panel.keys)
+    panels = core_panels(keys) + added
     runs: dict[str, list[dict[str, Any]]] = {}
-    for name, metrics_file in zip(run_names(metrics_files), metrics_files, strict=True):
-        records, file_notes = load_run(metrics_file)
-        runs[name] = records
+    for (name, records), metrics_file in zip(entries.items(), metrics_files, strict=True):
+        runs[name], file_notes = clean_run(metrics_file, records, lambda key: is_core_key(key) or key in plugin_keys)
         if notes is not None:
             notes.extend(file_notes)
     if output is None:
@@ -287,7 +300,7 @@ def plot_runs(run_dirs: Sequence[str | Path], output: str | Path | None = None, 
         # In the run: a link there is refused, not written through (out of the run).
         refuse_links(output.parent, [output.name], "Remove the link, or name the image with --output PNG.")
     output = Path(output)
-    figure = build_figure(runs, title=next(iter(runs)) if len(runs) == 1 else "")
+    figure = build_figure(runs, title=next(iter(runs)) if len(runs) == 1 else "", panels=panels)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         # The format follows the suffix (.png by default; .svg and .pdf work too).
@@ -299,12 +312,14 @@ def plot_runs(run_dirs: Sequence[str | Path], output: str | Path | None = None, 
     return output
 
 
-def plot_run(run_dir: str | Path, output: str | Path | None = None, notes: list[str] | None = None) -> Path:
+def plot_run(
+    run_dir: str | Path, output: str | Path | None = None, notes: list[str] | None = None, manager: Any = None
+) -> Path:
     """Draw one run's metrics into ``output`` (default ``<run_dir>/metrics.png``); return its path.
 
     ``run_dir`` may also be the metrics file itself.
     """
-    return plot_runs([run_dir], output, notes)
+    return plot_runs([run_dir], output, notes, manager)
 
 
 def _matplotlib() -> tuple[type, type]:

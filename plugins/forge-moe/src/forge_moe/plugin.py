@@ -200,6 +200,13 @@ def forge_lm_step_skipped(context):
 
 
 @hookimpl
+def forge_lm_plot_panels(keys):
+    from forge_moe.plot import moe_panels
+
+    return moe_panels(keys)
+
+
+@hookimpl
 def forge_lm_hf_export(model, config):
     layer = _built_moe_layers()
     if layer is None or not any(isinstance(m, layer.MoELayer) for m in model.modules()):
