@@ -91,6 +91,7 @@ def test_healthy_cpu_environment_passes_every_check_with_exit_0(doctor):
         "plugin float8": "ok",
         "plugin lm_eval": "ok",
         "plugin prometheus": "ok",
+        "plugin vlm": "ok",
         "plugin wandb": "ok",
         "config": "ok",
         "device": "ok",

@@ -45,9 +45,12 @@ def run(args, overrides, plugins) -> int:
         sys.stdout.write(to_toml(config))
         sys.stdout.write(_derived_values(config))
     else:
-        from forge_lm.train.preflight import validation_report
+        from forge_lm.cli._status import working
 
-        report = validation_report(config, manager.registry)  # refuses a run that cannot fit in memory here
+        with working("estimating memory: loading torch, building the model on the meta device"):
+            from forge_lm.train.preflight import validation_report
+
+            report = validation_report(config, manager.registry)  # refuses a run that cannot fit in memory here
         print(f"{path or 'the default config'} is valid.")
         print(report)
     return 0

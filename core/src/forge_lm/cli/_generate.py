@@ -20,22 +20,26 @@ def add_arguments(parser) -> None:
 
 
 def run(args, overrides, plugins) -> int:
-    import torch
+    from forge_lm.cli._status import working
 
-    from forge_lm.model.generate import generate
-    from forge_lm.train.inference import load_for_inference
+    with working(f"loading torch and the model of {args.checkpoint}"):  # seconds before any output
+        import torch
 
-    model, _, tokenizer = load_for_inference(args.checkpoint, plugins())
+        from forge_lm.model.generate import generate
+        from forge_lm.train.inference import load_for_inference
+
+        model, _, tokenizer = load_for_inference(args.checkpoint, plugins())
     prompt = tokenizer.encode(args.prompt) or [tokenizer.eos_id]
-    tokens = generate(
-        model,
-        prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        eos_id=tokenizer.eos_id,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
+    with working(f"generating up to {args.max_new_tokens} tokens"):
+        tokens = generate(
+            model,
+            prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            eos_id=tokenizer.eos_id,
+            generator=torch.Generator().manual_seed(args.seed),
+        )
     print(args.prompt + tokenizer.decode(tokens[len(prompt) if args.prompt else 1 :]))
     return 0

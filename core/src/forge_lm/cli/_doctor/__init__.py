@@ -73,9 +73,11 @@ def add_arguments(parser) -> None:
 
 def run(args, overrides, plugins) -> int:
     from forge_lm.cli._main import checked_config_file
+    from forge_lm.cli._status import working
 
     path = checked_config_file(args.config_file)
-    checks = diagnose(plugins(), path, overrides, run_dir=args.run_dir, min_free_gib=args.min_free_gib)
+    with working("checking versions, devices, plugins, the config and disk"):
+        checks = diagnose(plugins(), path, overrides, run_dir=args.run_dir, min_free_gib=args.min_free_gib)
     rank = _health.launch_rank()
     if rank == 0:
         report(checks, as_json=args.json)
