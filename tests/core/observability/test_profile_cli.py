@@ -282,7 +282,11 @@ def test_forge_train_profiles_the_window_and_forge_profile_reads_it(forge_cli, t
     assert trained.returncode == 0, trained.stderr
     rank_dir = run_dir / "profiles" / "rank0"
     names = sorted(path.name for path in rank_dir.iterdir())
-    assert names == ["ops_step2-3.json", "stacks_step2-3.txt", "trace_step2-3.json"]
+    assert names == ["ops_step2-3.json", "trace_step2-3.json"]  # light by default: stacks only with with_stack
+    assert "USDT" not in trained.stderr  # libkineto's profiler_start/stop lines stay off the console
+    size = (rank_dir / "trace_step2-3.json").stat().st_size
+    in_words = f"{size / 1e6:.1f} MB" if size >= 1e6 else f"{size / 1e3:.1f} kB"
+    assert f"written to {rank_dir / 'trace_step2-3.json'} ({in_words}; 2 files," in trained.stderr
     events = json.loads((rank_dir / "trace_step2-3.json").read_text())["traceEvents"]
     spans = sorted({e["name"] for e in events if e.get("name", "").startswith("forge/step_")})
     assert spans == ["forge/step_2", "forge/step_3"]  # warm-up on step 1, then 2 and 3

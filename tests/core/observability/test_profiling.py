@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
+import weakref
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ import torch
 
 from forge_lm.config import ProfilingSection
 from forge_lm.train import profiling
+from forge_lm.train.profiler_output import without_kineto_lines
 from forge_lm.train.profiling import StepProfiler, recorded_steps
 
 CPU = torch.device("cpu")
@@ -312,3 +315,73 @@ def test_on_cpu_a_snapshot_step_is_warned_about_once_and_ignored(tmp_path, fake_
     assert "CUDA" in err
     assert fake_cuda_memory == []
     assert not (tmp_path / "profiles").exists()
+
+
+# -- light defaults: what a user can leave on (issue 36) ---------------------------------------------
+
+
+def test_the_default_window_writes_a_trace_and_the_summary_only_and_no_stacks(tmp_path):
+    assert ProfilingSection().with_stack is False
+    assert (ProfilingSection().record_shapes, ProfilingSection().profile_memory) == (False, False)
+
+    train(ProfilingSection(enabled=True, start_step=2, active_steps=2), tmp_path, 4)
+
+    folder = tmp_path / "profiles" / "rank0"
+    assert sorted(p.name for p in folder.iterdir()) == ["ops_step2-3.json", "trace_step2-3.json"]
+    events = json.loads((folder / "trace_step2-3.json").read_text())["traceEvents"]
+    # No Python frames: with_stack's verbose recording adds one event per Python call.
+    assert not [e for e in events if e.get("cat") == "python_function"]
+
+
+def test_each_window_announces_the_size_of_what_it_wrote(tmp_path, capfd):
+    train(section(start_step=2, active_steps=2, repeat=2, warmup_steps=0), tmp_path, 6)
+
+    err = capfd.readouterr().err
+    folder = tmp_path / "profiles" / "rank0"
+    for steps in ("2-3", "4-5"):
+        trace, ops = folder / f"trace_step{steps}.json", folder / f"ops_step{steps}.json"
+        total = trace.stat().st_size + ops.stat().st_size
+        # The sizes in decimal megabytes (kilobytes below 1 MB), written out here independently.
+        words = [f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB" for n in (trace.stat().st_size, total)]
+        assert f"profile of steps {steps} written to {trace} ({words[0]}; 2 files, {words[1]} on this rank)\n" in err
+
+
+def test_a_finished_window_gives_its_recording_back_before_the_run_ends(tmp_path):
+    kept = []
+    real = StepProfiler._window_done
+
+    def watch(self, prof):  # a weak reference to the recording torch hands over
+        kept.append(weakref.ref(prof.profiler))
+        real(self, prof)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StepProfiler, "_window_done", watch)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 4)
+        with StepProfiler(section(start_step=2, active_steps=2), tmp_path, 0, CPU) as profiler:
+            for step in range(1, 7):
+                model(torch.randn(8, 16)).sum().backward()
+                profiler.step(step)
+                if step == 4:  # the window (steps 2-3) ended at step 3; the profiler is still open
+                    assert profiler._prof is not None
+                    assert [ref() for ref in kept] == [None]
+
+
+def test_no_kineto_line_reaches_the_console_and_the_run_s_own_lines_do(tmp_path, capfd):
+    train(section(start_step=2, active_steps=2), tmp_path, 4)
+
+    err = capfd.readouterr().err
+    assert "USDT" not in err
+    assert "profiler_start" not in err
+    assert "forge: profile of steps 2-3 written to" in err
+
+
+def test_only_kineto_lines_are_taken_from_what_is_written_around_the_profiler(capfd):
+    with without_kineto_lines():
+        os.write(2, b"USDT:2026-12-03 16:26:57 19741:19741 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning of another thread\n")
+        os.write(2, b"STAGE:2026-12-03 16:27:24 19947:19947 SyncActivityProfilerHandler.cpp:51] Completed Stage\n")
+        os.write(2, b"forge: a message\n")
+        os.write(2, b"USDT in a line of its own making\n")
+
+    assert capfd.readouterr().err == "a warning of another thread\nforge: a message\nUSDT in a line of its own making\n"

@@ -501,10 +501,18 @@ class ProfilingSection:
     repeat: int = attrs.field(
         default=1, validator=non_negative, metadata=_doc("Windows to record, back to back; 0 repeats to the end.")
     )
-    record_shapes: bool = attrs.field(default=False, metadata=_doc("Record operator input shapes."))
-    profile_memory: bool = attrs.field(default=False, metadata=_doc("Record tensor allocations per operator."))
+    record_shapes: bool = attrs.field(
+        default=False, metadata=_doc("Record operator input shapes (larger traces; off keeps the defaults light).")
+    )
+    profile_memory: bool = attrs.field(
+        default=False, metadata=_doc("Record tensor allocations per operator (larger traces, slower export).")
+    )
     with_stack: bool = attrs.field(
-        default=True, metadata=_doc("Record Python stacks (needed for the folded stacks flamegraphs read).")
+        default=False,
+        metadata=_doc(
+            "Record Python stacks and write folded stacks for flamegraphs; off by default: it makes the trace "
+            "several times larger and its export slower."
+        ),
     )
     memory_snapshot_step: int = attrs.field(
         default=0,

@@ -31,6 +31,12 @@ and last recorded steps are a and b:
   folded stacks, one ``frame;frame;frame value`` line per operator call, the value its self
   CPU (CUDA) time in microseconds: flamegraph.pl and speedscope read them.
 
+Rank 0 says where the trace went and how large the window's files are. The defaults are light
+(no stacks, shapes or memory profile: each is several times the trace, and slower to export).
+Once a window is written its recording is freed (:func:`forge_lm.train.profiler_output.release_window`),
+and libkineto's own console lines are filtered out around the profiler's calls
+(:func:`~forge_lm.train.profiler_output.without_kineto_lines`).
+
 ``memory_snapshot_step`` (CUDA only) records the allocator's history from the start of the run
 and writes ``memory_snapshot_step<N>.pickle`` after step N, or ``memory_snapshot_oom.pickle``
 when the run dies of an out-of-memory error before then; it works whether or not ``enabled``.
@@ -53,6 +59,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity
 
 from forge_lm.config import ProfilingSection
 from forge_lm.run_links import make_dirs
+from forge_lm.train.profiler_output import release_window, size_in_words, without_kineto_lines
 
 PROFILES_DIR = "profiles"
 SUMMARY_FORMAT = 1  # the version of the ops_step*.json layout, read back by `forge profile`
@@ -196,7 +203,8 @@ class StepProfiler:
             try:
                 self._close_marker()
                 prof, self._prof = self._prof, None
-                prof.stop()  # saves the window in progress, with the steps of it that completed
+                with without_kineto_lines():
+                    prof.stop()  # saves the window in progress, with the steps of it that completed
             except Exception as error:  # noqa: BLE001 - never replaces the exception that ended the run
                 _warn(f"could not stop the profiler: {error}")
         if self._history:
@@ -227,7 +235,8 @@ class StepProfiler:
             with_stack=self.section.with_stack,
             experimental_config=experimental,
         )
-        self._prof.start()
+        with without_kineto_lines():
+            self._prof.start()
         self._open_marker()
 
     def _advance(self, step: int) -> None:
@@ -241,7 +250,8 @@ class StepProfiler:
             if prof.current_action != ProfilerAction.NONE:
                 self._discard = True
                 try:
-                    prof.stop()
+                    with without_kineto_lines():
+                        prof.stop()
                 finally:
                     self._discard = False
                     self._window = []
@@ -255,7 +265,8 @@ class StepProfiler:
             # A new window starts a fresh recording, and torch says so once per process; a
             # window per trace is what is wanted here.
             warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle.*")
-            prof.step()  # may end a window: then _window_done exports it
+            with without_kineto_lines():
+                prof.step()  # may end a window: then _window_done exports it
         self._open_marker()
 
     def _open_marker(self) -> None:
@@ -272,13 +283,18 @@ class StepProfiler:
     def _window_done(self, prof: Any) -> None:
         """torch's on_trace_ready: export the window that just ended."""
         steps, self._window = self._window, []
-        if self._discard or not steps:  # a window cut short before any of its steps completed
-            return
-        first, last = steps[0], steps[-1]
         try:
-            self._export(prof, (first, last))
-        except Exception as exc:  # noqa: BLE001 - a full disk or a torch export bug: the run goes on
-            _warn(f"could not write the profile of steps {first}-{last} to {self.out_dir}: {exc}")
+            if self._discard or not steps:  # a window cut short before any of its steps completed
+                return
+            first, last = steps[0], steps[-1]
+            try:
+                self._export(prof, (first, last))
+            except Exception as exc:  # noqa: BLE001 - a full disk or a torch export bug: the run goes on
+                _warn(f"could not write the profile of steps {first}-{last} to {self.out_dir}: {exc}")
+        finally:
+            # The window's events are written (or given up): the memory they hold goes back now,
+            # not when the next window or the end of the run replaces them.
+            release_window(prof)
 
     def _make_out_dir(self) -> None:
         """``profiles/rank<R>/``, refusing (an error, warned about) a level that is a link."""
@@ -287,6 +303,7 @@ class StepProfiler:
     def _export(self, prof: Any, steps: tuple[int, int]) -> None:
         self._make_out_dir()
         label = f"step{steps[0]}-{steps[1]}"
+        before = len(self.written)
         trace = self.out_dir / trace_name(steps)
         _write_atomically(trace, prof.export_chrome_trace)
         self.written.append(trace)
@@ -303,7 +320,14 @@ class StepProfiler:
         _write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1) + "\n"))
         self.written.append(path)
         if self.rank == 0:
-            print(f"forge: profile of steps {steps[0]}-{steps[1]} written to {trace}", file=sys.stderr, flush=True)
+            files = self.written[before:]
+            trace_size, total = trace.stat().st_size, sum(path.stat().st_size for path in files)
+            print(
+                f"forge: profile of steps {steps[0]}-{steps[1]} written to {trace} ({size_in_words(trace_size)}; "
+                f"{len(files)} files, {size_in_words(total)} on this rank)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _give_up(self, exc: Exception) -> None:
         _warn(f"profiling stopped after an error ({type(exc).__name__}: {exc}); training goes on unprofiled")
@@ -312,7 +336,8 @@ class StepProfiler:
         if prof is not None:
             self._discard = True
             try:
-                prof.stop()
+                with without_kineto_lines():
+                    prof.stop()
             except Exception:  # noqa: BLE001 - already reported; the profiler is being abandoned
                 pass
             finally:
