@@ -37,7 +37,6 @@ import contextlib
 import copy
 import functools
 import io
-import json
 import math
 import os
 import shutil
@@ -56,6 +55,7 @@ from _record import alternate, median, save
 from forge_lm.config import load_config, to_data
 from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed.reduce import agree_on_step
+from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.metrics.mfu import CPUINFO_PATH, cpu_peak_flops, mfu, parse_cpuinfo, theoretical_cpu_peak
 from forge_lm.model import build_model
 from forge_lm.model.attention import EAGER_MAX_KEYS, attention_mask, eager_attention, uses_eager
@@ -399,7 +399,7 @@ def train_end_to_end(overrides: list[str], steps: int, settings: PluginSettings)
         manager.configure(config)
         with quiet():
             loop.train(config, manager)
-        records = [json.loads(line) for line in (Path(workdir) / "run" / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(Path(workdir) / "run" / "metrics.jsonl")
         return next(r["tokens_per_sec"] for r in records if r["step"] == steps and "tokens_per_sec" in r)
 
 

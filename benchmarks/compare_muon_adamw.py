@@ -25,6 +25,7 @@ from typing import Any
 from _record import RESULTS, save
 
 from forge_lm.config import load_config
+from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginManager
 from forge_lm.train import train
 
@@ -53,7 +54,7 @@ def run(optimizer: list[str], steps: int, manager: PluginManager, scratch: Path)
     start = time.perf_counter()
     train(config, manager)
     seconds = time.perf_counter() - start
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out / "metrics.jsonl")
     losses = [r["loss"] for r in records if "loss" in r]
     eval_loss = [r["eval/loss"] for r in records if "eval/loss" in r][-1]
     return {"losses": losses, "eval_loss": eval_loss, "seconds": seconds}

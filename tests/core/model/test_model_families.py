@@ -5,7 +5,6 @@ by the model and refused, naming the family and the capability, when it is missi
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -22,6 +21,7 @@ from forge_lm.components import (
 )
 from forge_lm.config import ComponentConfig, LlamaOptions, load_config, model_options
 from forge_lm.errors import ConfigError
+from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.model import build_model
 from forge_lm.model.capabilities import check_family_supports
 from forge_lm.model.flops import active_parameter_count, flops_per_token, model_flops_per_token
@@ -183,7 +183,7 @@ def test_a_third_party_family_trains_from_the_cli_with_its_own_options(bigram_ma
         env={"FORGE_LM_PLUGINS": "bigram"},
     )
     assert result.returncode == 0, result.stderr
-    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [record.get("loss") for record in read_metrics(run_dir / "metrics.jsonl")]
     losses = [loss for loss in losses if loss is not None]
     assert abs(losses[0] - math.log(257)) < 0.3, losses[0]  # a uniform guess over the byte tokens at first
     assert losses[-1] < losses[0] - 1.0, losses  # then it learns the byte statistics

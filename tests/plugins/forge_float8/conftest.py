@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from forge_lm.config import ForgeConfig, load_config
+from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.testing import TINY_MODEL
 
@@ -100,8 +100,7 @@ def tiny_float8(tmp_path: Path, float8_manager: PluginManager) -> Callable[..., 
 def read_losses(run_dir: Path) -> dict[int, float]:
     """The loss of each step; where a step was logged twice (redone after a resume), the later one."""
     losses = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in read_metrics(Path(run_dir) / "metrics.jsonl"):
         if "loss" in record:
             losses[record["step"]] = record["loss"]
     return losses

@@ -3,13 +3,13 @@ resuming from one continues exactly as the uninterrupted run. And configs/muon.t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from forge_lm.checkpoint import CheckpointManager
 from forge_lm.config import load_config
+from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginManager
 from forge_lm.train import train
 from forge_optim_muon.factory import build_muon
@@ -58,7 +58,7 @@ def test_a_run_resumed_from_its_checkpoint_continues_bit_for_bit_with_muon(tmp_p
 
 
 def _losses(run_dir):
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir / "metrics.jsonl")
     return [r["loss"] for r in records if "loss" in r]
 
 

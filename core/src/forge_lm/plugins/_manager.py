@@ -34,8 +34,9 @@ from forge_lm.plugins._settings import PluginSettings
 
 HOOK_PREFIX = PROJECT_NAME + "_"
 # Keys a plugin's step_end / eval_end metrics may not take: the record's step, and the metrics
-# the loop adds after the hook (besides the metrics the hook was given).
-RESERVED_METRICS = ("step", "tokens_per_sec", "mfu")
+# the loop adds after the hook (besides the metrics the hook was given), and the key under which
+# metrics.jsonl spells the non-finite ones (forge_lm.metrics.jsonl).
+RESERVED_METRICS = ("step", "tokens_per_sec", "mfu", "nonfinite")
 CORE_DISTRIBUTION = "forge-lm"
 
 BUILTIN_PLUGINS: dict[str, str] = {

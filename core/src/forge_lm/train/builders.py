@@ -24,6 +24,7 @@ from forge_lm.plugins._calls import (
     moved_problem,
     working_directory,
 )
+from forge_lm.plugins._manager import RESERVED_METRICS
 
 
 def build_dataset(
@@ -96,7 +97,7 @@ class CheckedEvaluator:
             )
         self._check_model_kept(model, step, weights, modes)
         try:
-            good, problems = checked_metrics(returned, {*earlier, "step"})
+            good, problems = checked_metrics(returned, {*earlier, *RESERVED_METRICS})
         except Exception as exc:  # noqa: BLE001 - a returned object may fail in any way when read
             good, problems = {}, [f"an unreadable {type(returned).__name__} ({describe(exc)})"]
         if problems and self._warn:
