@@ -56,7 +56,7 @@ dist: setup
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .ruff_cache
 
-# Benchmarks 1-6 of benchmarks/README.md on this machine (under 15 minutes); refreshes
+# The CPU benchmarks of benchmarks/README.md and the throughput regression check (under 15 minutes); refreshes
 # benchmarks/results/*.json and benchmarks/RESULTS.md. Run it on an idle machine.
 bench: setup
 	$(PY) benchmarks/run_all.py

@@ -4,8 +4,9 @@ Runs, each in a fresh interpreter with the arguments below (sized so that the wh
 stays under 15 minutes on a 2-core CPU): start-up (``bench_startup.py``), training
 throughput (``bench_train.py``), data loading (``bench_data.py``), checkpoint saving
 (``bench_checkpoint.py``), and, when their scripts exist, the Muon optimizer step
-(``bench_muon.py``) and the MoE layer (``bench_moe.py``); a missing script is skipped with a
-note. ``--gpu`` runs ``bench_gpu.py`` alone instead (it needs CUDA, and a GPU session has no
+(``bench_muon.py``) and the MoE layer (``bench_moe.py``), then the throughput regression check
+(``check_train_ratio.py``, failing below 0.95x the plain loop); a missing script is skipped
+with a note. ``--gpu`` runs ``bench_gpu.py`` alone instead (it needs CUDA, and a GPU session has no
 time for the CPU benchmarks). Each benchmark writes its ``results/<name>.json`` and regenerates
 ``RESULTS.md``; at the end the headline ratios are printed. Timings are only meaningful on an
 otherwise idle machine: the load average is checked first, and recorded with every result.
@@ -33,6 +34,8 @@ BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_checkpoint.py", ["--rounds", "5"], ["--quick"]),
     ("bench_muon.py", ["--rounds", "3"], ["--rounds", "2", "--warmup", "1"]),
     ("bench_moe.py", ["--rounds", "5"], ["--rounds", "2", "--warmup", "1"]),
+    # the throughput regression check (exit 1 below 0.95x the plain loop), last: on the idlest machine
+    ("check_train_ratio.py", ["--rounds", "5"], ["--rounds", "1", "--steps", "1"]),
 ]
 GPU = ("bench_gpu.py", [], ["--rounds", "2", "--steps", "3", "--no-moe"])
 BUDGET_S = 15 * 60
