@@ -430,6 +430,19 @@ class RunsFromEmbeddings(Protocol):
     ) -> Any: ...
 
 
+@runtime_checkable
+class PromptsWithImages(Protocol):
+    """A model ``forge generate --image`` can prompt with images. ``image_prompt(text, images,
+    tokenizer, config)`` reads the image files ``images`` (paths) as the run's data reads
+    images (``config``: the run's config) and gives ``(prompt token ids, forward keyword
+    arguments)``: the ids hold the text's tokens with the image tokens placed where the run's
+    data places them, and the arguments carry the images (``{"pixel_values": ...}``), given
+    with the prompt's forward. A missing or corrupt image, or markers that do not match the
+    images, raise :class:`forge_lm.errors.ForgeError` naming it."""
+
+    def image_prompt(self, text: str, images: Sequence[str], tokenizer: Any, config: Any) -> Any: ...
+
+
 PARAMETER_ROLES = ("embedding", "output", "norm", "bias", "matrix")
 """The roles :func:`parameter_roles` gives, in the order it decides them."""
 

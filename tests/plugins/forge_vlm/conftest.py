@@ -72,3 +72,40 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
     return model
+
+
+DEBUG_STEPS = 12
+
+
+@pytest.fixture(scope="session")
+def debug_run(tmp_path_factory):
+    """``forge train configs/vlm_debug.toml`` for 12 steps from the CLI, metrics at every step:
+    ``(run directory, the finished process)``. Shared by the training and generation tests."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[3] / "configs" / "vlm_debug.toml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FORGE_LM_")}
+    env["OMP_NUM_THREADS"] = "1"
+    run = tmp_path_factory.mktemp("vlm_debug") / "run"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "forge_lm",
+            "train",
+            str(config),
+            f"--train.output_dir={run}",
+            f"--train.max_steps={DEBUG_STEPS}",
+            "--metrics.log_interval=1",
+            '--metrics.backends=["jsonl"]',
+            "--metrics.peak_flops=1e12",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    return run, result

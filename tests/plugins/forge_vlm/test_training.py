@@ -4,9 +4,6 @@ exactly as one that was not (the data position and the training stage kept)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,26 +17,8 @@ DEBUG = REPO / "configs" / "vlm_debug.toml"
 FEW = ["--metrics.log_interval=1", '--metrics.backends=["jsonl"]', "--metrics.peak_flops=1e12"]
 
 
-def test_the_debug_config_trains_from_the_cli_with_the_loss_falling(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FORGE_LM_")}
-    env["OMP_NUM_THREADS"] = "1"
-    run = tmp_path / "run"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "forge_lm",
-            "train",
-            str(DEBUG),
-            f"--train.output_dir={run}",
-            "--train.max_steps=12",
-            *FEW,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+def test_the_debug_config_trains_from_the_cli_with_the_loss_falling(debug_run):
+    run, result = debug_run
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = metrics_by_step(run)
     first, last = metrics[1]["loss"], metrics[12]["loss"]

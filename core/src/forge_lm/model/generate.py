@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ def generate(
     top_p: float | None = None,
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
+    inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> list[int]:
     """``prompt`` followed by up to ``max_new_tokens`` sampled tokens (the prompt is included).
 
@@ -60,27 +61,34 @@ def generate(
     without one runs the whole sequence again for each token (the same tokens, more slowly).
     ``generator`` (on the CPU or the model's device) makes sampling reproducible. The model is put
     in eval mode while sampling and restored afterwards.
+
+    ``inputs``: more keyword arguments of the model's forward that belong to the prompt (a
+    vision-language model's ``pixel_values``), moved to the model's device. With a KV cache they
+    go with the prompt's forward only (the cache holds what they gave); without one, with every
+    full forward (the prompt is in each).
     """
     prompt = [int(t) for t in prompt]
     _check_arguments(model, prompt, max_new_tokens, temperature, top_k, top_p)
     device = next(model.parameters()).device
     sample_device = generator.device if generator is not None else device
     tokens = list(prompt)
+    extra = {name: value.to(device) for name, value in (inputs or {}).items()}
     if max_new_tokens == 0:
         return tokens
     cached = isinstance(model, DecodesWithCache)
     cache = model.new_kv_cache(len(prompt) + max_new_tokens) if cached else None
 
-    def next_logits(new: list[int]) -> torch.Tensor:
-        if cache is None:  # no cache: the whole sequence so far
-            return model(torch.tensor([tokens], device=device))[0, -1]
-        return model(torch.tensor([new], device=device), kv_cache=cache)[0, -1]  # [vocab]
+    def next_logits(new: list[int], prefill: bool = False) -> torch.Tensor:
+        if cache is None:  # no cache: the whole sequence so far, the prompt's inputs with it
+            return model(torch.tensor([tokens], device=device), **extra)[0, -1]
+        with_prompt = extra if prefill else {}  # later steps read the cache
+        return model(torch.tensor([new], device=device), kv_cache=cache, **with_prompt)[0, -1]  # [vocab]
 
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            logits = next_logits(prompt)
+            logits = next_logits(prompt, prefill=True)
             for step in range(max_new_tokens):
                 if temperature == 0:
                     next_id = int(torch.argmax(logits))

@@ -171,35 +171,11 @@ class PackedImageText(torch.utils.data.IterableDataset):
 
     def normalise(self, rgb: torch.Tensor) -> torch.Tensor:
         """``[3, H, W]`` values in [0, 1] -> normalised with the options' mean and std."""
-        mean = torch.tensor(self.options.mean).view(3, 1, 1)
-        std = torch.tensor(self.options.std).view(3, 1, 1)
-        return (rgb - mean) / std
+        return normalise(rgb, self.options)
 
     def with_markers(self, ids_of: Any, text: str, images: int, where: str) -> list[int]:
-        """The document's tokens: image tokens where ``<image>`` stands (before the text when it
-        has no marker and one image), the text's tokens, eos."""
-        pieces = text.split(MARKER)
-        markers = len(pieces) - 1
-        if markers == 0 and images == 1:
-            pieces, markers = ["", text], 1
-        if markers != images:
-            more = "more images than <image> markers" if images > markers else "an <image> marker with no image"
-            raise ForgeError(
-                f"{where}: {more} ({images} images, {markers} markers); give one image per marker (a record with "
-                "one image and no marker puts the image before the text)."
-            )
-        tokens: list[int] = []
-        for number, piece in enumerate(pieces):
-            if number:
-                tokens.extend([self.image_token] * self.tokens_per_image)
-            ids = ids_of(piece) if piece else []
-            if self.image_token in ids:
-                raise ForgeError(
-                    f"{where}: the tokenizer gives the image token id {self.image_token} for the text itself; set "
-                    "[model] image_token_id to an id the tokenizer never produces."
-                )
-            tokens.extend(ids)
-        return tokens
+        """The document's tokens (:func:`tokens_with_markers`), eos not included."""
+        return tokens_with_markers(ids_of, text, images, self.image_token, self.tokens_per_image, where)
 
     def skip(self, where: str, why: str) -> None:
         self.skipped_images += 1
@@ -210,6 +186,65 @@ class PackedImageText(torch.utils.data.IterableDataset):
                 file=sys.stderr,
             )
         events.record("vlm/image_skipped", where=where, reason=why, count=self.skipped_images)
+
+
+def normalise(rgb: torch.Tensor, options: ImageOptions) -> torch.Tensor:
+    """``[3, H, W]`` values in [0, 1] -> ``(rgb - mean) / std`` with the options' per-channel values."""
+    mean = torch.tensor(options.mean).view(3, 1, 1)
+    std = torch.tensor(options.std).view(3, 1, 1)
+    return (rgb - mean) / std
+
+
+def tokens_with_markers(
+    ids_of: Any, text: str, images: int, image_token: int, tokens_per_image: int, where: str
+) -> list[int]:
+    """``text``'s tokens with ``tokens_per_image`` image tokens where each ``<image>`` stands (before
+    the text when it has no marker and one image). The marker and image counts must agree, and
+    the text's own tokens may not include the image token (each refused, naming ``where``)."""
+    pieces = text.split(MARKER)
+    markers = len(pieces) - 1
+    if markers == 0 and images == 1:
+        pieces, markers = ["", text], 1
+    if markers != images:
+        more = "more images than <image> markers" if images > markers else "an <image> marker with no image"
+        raise ForgeError(
+            f"{where}: {more} ({images} images, {markers} markers); give one image per marker (a text with "
+            "one image and no marker puts the image before the text)."
+        )
+    tokens: list[int] = []
+    for number, piece in enumerate(pieces):
+        if number:
+            tokens.extend([image_token] * tokens_per_image)
+        ids = ids_of(piece) if piece else []
+        if image_token in ids:
+            raise ForgeError(
+                f"{where}: the tokenizer gives the image token id {image_token} for the text itself; set "
+                "[model] image_token_id to an id the tokenizer never produces."
+            )
+        tokens.extend(ids)
+    return tokens
+
+
+class UnreadableImage(Exception):
+    """An image file that does not exist or that Pillow cannot decode; the message says which."""
+
+
+def read_image(location: Path, image_size: int, shown_as: str) -> torch.Tensor:
+    """The image at ``location`` as ``[3, image_size, image_size]`` values in [0, 1]: read by
+    Pillow, converted to RGB (any mode), resized (bicubic, aspect not kept). Raises
+    :class:`UnreadableImage` naming ``shown_as`` for a missing, unreadable or corrupt file."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(location) as image:
+            image.load()
+            rgb = image.convert("RGB").resize((image_size, image_size), Image.Resampling.BICUBIC)
+    except FileNotFoundError:
+        raise UnreadableImage(f"the image '{shown_as}' does not exist") from None
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise UnreadableImage(f"the image '{shown_as}' cannot be read ({type(exc).__name__}: {exc})") from None
+    values = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
+    return values.view(image_size, image_size, 3).permute(2, 0, 1).float() / 255.0
 
 
 def _images_within(tokens: list[int], images: list[torch.Tensor], image_token: int, per_image: int) -> list:
@@ -268,8 +303,6 @@ class ImageText(PackedImageText):
         return _Document([*tokens, self.tokenizer.eos_id], images)
 
     def _read(self, path: str, where: str) -> torch.Tensor | None:
-        from PIL import Image, UnidentifiedImageError
-
         location = self.folder / path
         if not self.allow_outside:
             resolved = location.resolve()
@@ -279,17 +312,10 @@ class ImageText(PackedImageText):
                     "move the image under it, or set [data] allow_outside = true."
                 )
         try:
-            with Image.open(location) as image:
-                image.load()
-                rgb = image.convert("RGB").resize((self.image_size, self.image_size), Image.Resampling.BICUBIC)
-        except FileNotFoundError:
-            self.skip(where, f"the image '{path}' does not exist")
+            pixels = read_image(location, self.image_size, path)
+        except UnreadableImage as exc:
+            self.skip(where, str(exc))
             return None
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-            self.skip(where, f"the image '{path}' cannot be read ({type(exc).__name__}: {exc})")
-            return None
-        values = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
-        pixels = values.view(self.image_size, self.image_size, 3).permute(2, 0, 1).float() / 255.0
         return self.normalise(pixels)
 
 

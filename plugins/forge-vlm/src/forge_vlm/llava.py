@@ -113,6 +113,21 @@ class Llava(nn.Module):
     def new_kv_cache(self, max_len: int | None = None) -> Any:
         return self.language.new_kv_cache(max_len)
 
+    def image_prompt(self, text: str, images: Any, tokenizer: Any, config: Any) -> Any:
+        """``forge generate --image``'s prompt (:class:`forge_lm.components.PromptsWithImages`):
+        the images read and placed as the run's data does (:mod:`forge_vlm.prompt`)."""
+        from forge_vlm.prompt import image_prompt
+
+        return image_prompt(
+            text,
+            images,
+            tokenizer,
+            config,
+            image_token=self.image_token_id,
+            tokens_per_image=self.config.tokens_per_image,
+            image_size=self.config.vision.image_size,
+        )
+
     def get_output_embeddings(self) -> nn.Module | None:
         """The language model's head (parameter roles: 'output')."""
         head = getattr(self.language, "output", None)
