@@ -77,8 +77,14 @@ expected (the pass mark) and what it measured.
   full pass; the capabilities it claims are well formed.
 - every category: the options survive a round trip through a config table; an option the
   kit's table gets wrong is named as users write the section (``[model.ffn] hidden``).
-- distributions: entry points in the ``forge_lm`` group; plugin modules import no heavy
-  dependency; the declared plugin API range admits this core; the plugin loads with status ok.
+- distributions: entry points in the ``forge_lm`` group; each loads (its module is installed
+  and imports, the object it names exists; a failure names the entry point, what is missing and
+  the change to the package, and every later check that needs the module says the same); plugin
+  modules import no heavy dependency; the declared plugin API range admits this core; the plugin
+  loads with status ok.
+- a component the kit cannot find (its plugin did not load, or nothing registers it) is one
+  failing check, ``<category>:<name>:is_registered``, with the author's fix (an installed
+  plugin's packaging problem, as above), not an error while pytest collects the tests.
 
 Keywords of :func:`component_checks` (the third item of a ``parametrize_with_checks``
 component tuple holds them; an aid a category does not use is refused with a ``TypeError``):

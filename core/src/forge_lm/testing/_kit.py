@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from forge_lm.config import structure_options
+from forge_lm.errors import PluginError
 from forge_lm.plugins import Component, PluginManager
 from forge_lm.plugins._categories import singular
 
@@ -166,12 +167,35 @@ def component_checks(
             f"component_checks('{category}', ...) got unknown aids {unknown}; this category accepts: {accepted}"
         )
     manager = manager if manager is not None else PluginManager()
-    component = manager.registry.resolve(category, name)
+    try:
+        component = manager.registry.resolve(category, name)
+    except PluginError as exc:  # a failing check, not a collection error: the fix is the author's
+        problem = _not_registered(manager, category, name, exc)
+        return [Check(f"{category}:{name}:is_registered", lambda: _fail(problem))]
     subject = Subject(manager, component, dict(options or {}), extras)
     return [
         Check(f"{category}:{name}:{function.__name__.removeprefix('check_')}", lambda f=function: f(subject))
         for function in checks_for(category)
     ]
+
+
+def _not_registered(manager: PluginManager, category: str, name: str, error: PluginError) -> str:
+    """Why the kit has no ``name`` of ``category`` to check, said to the plugin's author: the
+    packaging problem of a plugin that did not load (its entry point), or what is registered."""
+    from forge_lm.testing._packaging import unloaded_plugin_problems
+
+    wanted = f"{singular(category)} '{name}' is not registered"
+    problems = unloaded_plugin_problems(manager)
+    if problems:
+        return f"{wanted}: an installed plugin did not load. " + "\n".join(problems)
+    return (
+        f"{wanted}: {error}\nRegister it in your plugin's forge_lm_register_{category} hook, and check that the "
+        f"distribution is installed with its [project.entry-points.forge_lm] entry (pip install -e .)."
+    )
+
+
+def _fail(problem: str) -> None:
+    raise AssertionError(problem)
 
 
 def check_component(category: str, name: str, **kwargs: Any) -> None:
