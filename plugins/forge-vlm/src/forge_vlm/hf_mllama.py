@@ -5,7 +5,8 @@ Names: the vision tower's as :data:`VISION_NAMES` and :data:`VISION_LAYER_NAMES`
 language model's blocks are Llama's (``model.language_model.layers.<j>``, where ``j`` counts
 self- and cross-attention layers together); each cross-attention layer is Mllama's
 ``MllamaCrossAttentionDecoderLayer`` at its combined index (:data:`CROSS_NAMES`); the projector
-is ``model.multi_modal_projector``. Mllama's embedding has ``vocab_size + 8`` rows, its head
+is ``model.multi_modal_projector`` (a directory from ``save_pretrained`` has the older names,
+``language_model.model.*``, ``vision_model.*``: both are read). Mllama's embedding has ``vocab_size + 8`` rows, its head
 ``vocab_size``: the 8 rows past the vocabulary (the image marker 128256 among them) are the
 family's ``extra_embeddings``.
 
@@ -146,6 +147,8 @@ def _export_problems(model: Any) -> list[str]:
     from forge_lm.model.transformer import Transformer
 
     problems = []
+    if model.config.tower != "mllama":
+        problems.append(f"its vision tower is tower = {model.config.tower!r}, not Mllama's ('mllama')")
     language = model.language
     if type(language) is not Transformer:
         problems.append(f"the language model is {type(language).__name__}, not the core's llama")
@@ -299,10 +302,33 @@ def _default_ratios() -> tuple[tuple[int, int], ...]:
     return MLLAMA_ASPECT_RATIOS
 
 
+# save_pretrained writes Mllama's weights under its older names (transformers renames them when
+# loading): those prefixes, and the names a loaded model's state_dict() has.
+_SAVED_PREFIXES = {
+    "language_model.model.": "model.language_model.",
+    "language_model.lm_head.": "lm_head.",
+    "vision_model.": "model.vision_model.",
+    "multi_modal_projector.": "model.multi_modal_projector.",
+}
+
+
+def _loaded_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` under the names of a loaded model, whichever of the two schemes it uses."""
+    if f"{_TEXT}embed_tokens.weight" in state:
+        return state
+    out = {}
+    for name, tensor in state.items():
+        prefix = next((p for p in _SAVED_PREFIXES if name.startswith(p)), None)
+        out[_SAVED_PREFIXES[prefix] + name[len(prefix) :] if prefix is not None else name] = tensor
+    return out
+
+
 def from_mllama(hf_config: dict[str, Any], state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict]:
-    """``([model] table, Forge state dict)`` of an ``MllamaForConditionalGeneration``."""
+    """``([model] table, Forge state dict)`` of an ``MllamaForConditionalGeneration`` (its state
+    dict as a loaded model has it, or as ``save_pretrained`` writes it)."""
     from forge_vlm.cross_attention import placement
 
+    state = _loaded_names(state)
     table = mllama_table(hf_config)
     language, vocab = table["language"], table["language"]["vocab_size"]
     places = placement(language["n_layers"], None, table["cross_attention_layers"])

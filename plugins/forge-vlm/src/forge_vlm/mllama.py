@@ -1,6 +1,7 @@
 """The ``cross_attention`` family: Llama 3.2 Vision's (Mllama's) form of a vision-language model.
 
-Mllama's tiled vision tower (:mod:`forge_vlm.mllama_vision`) turns each image into states, a
+A vision tower, Mllama's tiled one (:mod:`forge_vlm.mllama_vision`, ``tower = "mllama"``) or
+forge-vlm's ViT (:mod:`forge_vlm.vision`, ``tower = "vit"``), turns each image into states, a
 linear projector maps them to the language model's width, and gated cross-attention layers
 (:mod:`forge_vlm.cross_attention`) among the blocks of any registered language family that can
 wrap its blocks let the text attend to them. The gates start at zero: a fresh model is its
@@ -12,9 +13,9 @@ positions=None)``. ``pixel_values``:
 
 - 6-D ``[B, images, tiles, C, H, W]`` with ``aspect_ratio_ids`` ``[B, images]`` and
   ``aspect_ratio_mask`` ``[B, images, tiles]``, as transformers' Mllama processor gives them
-  (an image slot with aspect ratio id 0 is padding);
+  (an image slot with aspect ratio id 0 is padding); Mllama's tower only;
 - 5-D ``[B, images, C, H, W]`` with ``image_mask`` ``[B, images]`` (forge-vlm's batches): each
-  image one tile, of layout (1, 1);
+  image one tile, of layout (1, 1) (the ViT: one image);
 - 4-D ``[images, C, H, W]``, the images of the whole batch in order, each row taking as many
   as it has markers.
 
@@ -41,6 +42,7 @@ from forge_lm.model.swiglu import swiglu_hidden
 from forge_vlm.cross_attention import GatedCrossAttention, join_cross_attention, marker_visibility, placement
 from forge_vlm.mllama_options import CrossAttentionOptions
 from forge_vlm.mllama_vision import MllamaVisionTower
+from forge_vlm.vision import VisionTower
 
 
 class CrossAttentionCache(KVCache):
@@ -76,8 +78,9 @@ class CrossAttentionModel(nn.Module):
         self.vocab_size = vocab_size
         self.image_token_id = options.image_token(vocab_size)
         dim = language.config.dim
-        self.vision = MllamaVisionTower(options.vision)
-        self.projector = Linear(options.vision.output_dim, dim, bias=True)
+        self.vit = options.tower == "vit"
+        self.vision = VisionTower(options.vision) if self.vit else MllamaVisionTower(options.vision)
+        self.projector = Linear(options.tower_width, dim, bias=True)
         self.places = places
         self.feed = join_cross_attention(language, cross_layers, places, options.language.name)
         self.language = language
@@ -87,17 +90,17 @@ class CrossAttentionModel(nn.Module):
                 f"[model] image_token_id = {self.image_token_id} is outside the vocabulary ({vocab_size} ids and "
                 f"{options.extra_token_ids} extra_token_ids)."
             )
-        # The tile layout of a one-tile image, for images given without aspect ratios.
-        self._single_tile_id = (
-            1 + options.vision.aspect_ratios.index((1, 1)) if (1, 1) in options.vision.aspect_ratios else 0
-        )
+        # The tile layout of a one-tile image, for images given without aspect ratios (the ViT: 1).
+        ratios = getattr(options.vision, "aspect_ratios", ((1, 1),))
+        self._single_tile_id = 1 + ratios.index((1, 1)) if (1, 1) in ratios else 0
 
     # -- capabilities ---------------------------------------------------------------------------
 
     def blocks(self) -> list[nn.Module]:
         """The language model's blocks (those with cross-attention layers wrap them), then the
         vision tower's layers."""
-        return [*self.language.blocks(), *self.vision.blocks()]
+        vision = list(self.vision.blocks) if self.vit else self.vision.blocks()
+        return [*self.language.blocks(), *vision]
 
     def new_kv_cache(self, max_len: int | None = None) -> CrossAttentionCache:
         return CrossAttentionCache(max_len if max_len is not None else self.config.max_seq_len)
@@ -118,7 +121,7 @@ class CrossAttentionModel(nn.Module):
         language = (
             self.language.flops_per_token(seq_len) if isinstance(self.language, CountsFlops) else 6.0 * language_params
         )
-        states = self.config.vision.tokens_per_image
+        states = self.config.states_per_image
         attention = sum(6.0 * layer.n_heads * layer.head_dim * 2 * states for layer in cross)
         vision_params = sum(p.numel() for p in [*self.vision.parameters(), *self.projector.parameters()])
         return language + 6.0 * cross_params + attention + 6.0 * vision_params * states / seq_len
@@ -192,7 +195,12 @@ class CrossAttentionModel(nn.Module):
         """``(pixels [B, M, tiles, C, H, W], aspect_ratio_ids [B, M], aspect_ratio_mask [B, M, tiles],
         image_mask [B, M])`` from any of the three layouts."""
         batch = input_ids.shape[0]
-        tiles = self.config.vision.max_num_tiles
+        tiles = 1 if self.vit else self.config.vision.max_num_tiles
+        if self.vit and pixel_values.ndim == 6:
+            raise ForgeError(
+                "the ViT tower (tower = 'vit') takes one tile per image: pixel_values [images, C, H, W] or "
+                f"[batch, images, C, H, W] with image_mask; got {tuple(pixel_values.shape)}."
+            )
         if pixel_values.ndim == 4:  # the batch's images in order: each row takes one per marker
             counts = (input_ids == self.image_token_id).sum(dim=1).tolist()
             if sum(counts) != pixel_values.shape[0]:
@@ -232,12 +240,14 @@ class CrossAttentionModel(nn.Module):
         self, pixels: torch.Tensor, aspect_ratio_ids: torch.Tensor, aspect_ratio_mask: torch.Tensor
     ) -> torch.Tensor:
         batch = pixels.shape[0]
+        if self.vit:  # one tile per image: the tower sees [B * images, C, H, W]
+            return self.projector(self.vision(pixels.flatten(0, 2))).reshape(batch, -1, self.projector.out_features)
         features = self.vision(pixels.flatten(0, 1), aspect_ratio_ids.flatten(), aspect_ratio_mask.flatten(0, 1))
         return self.projector(features).reshape(batch, -1, self.projector.out_features)
 
     def _expand_tiles(self, per_tile: torch.Tensor) -> torch.Tensor:
         """``[B, T, M, tiles]`` -> ``[B, T, M * tiles * patches]``: the mask over the image states."""
-        patches = self.config.vision.patches
+        patches = self.config.states_per_image if self.vit else self.config.vision.patches
         return per_tile[..., None].expand(*per_tile.shape, patches).flatten(2)
 
     def _visible(

@@ -3,12 +3,15 @@ torch: Forge imports this module to validate configs."""
 
 from __future__ import annotations
 
+import types
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from forge_lm.config import ComponentConfig, LlamaOptions, component
+from forge_lm.config import ComponentConfig, LlamaOptions, component, structure_options
 from forge_lm.validators import FieldError, non_negative, one_of, positive
+from forge_vlm.options import ViTOptions
 
 MLLAMA_ASPECT_RATIOS = ((1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (3, 1), (4, 1))
 
@@ -23,7 +26,7 @@ def _ratios(value: Any) -> tuple[tuple[int, int], ...]:
 
 @attrs.frozen
 class MllamaVisionOptions:
-    """``[model.vision]`` with ``tower = "mllama"``: Llama 3.2 Vision's tower. An image is cut
+    """``[model.vision]`` with ``[model] tower = "mllama"``: Llama 3.2 Vision's tower. An image is cut
     into up to ``max_num_tiles`` tiles of ``image_size``; each tile's patches and a class token
     run through ``depth`` local layers, then the tiles of an image together through
     ``global_depth`` gated layers; the features are the last state concatenated with the local
@@ -78,6 +81,29 @@ class MllamaVisionOptions:
         return self.max_num_tiles * self.patches
 
 
+TOWERS: dict[str, type] = {"mllama": MllamaVisionOptions, "vit": ViTOptions}
+
+
+def _tower_options(value: Any, options: CrossAttentionOptions) -> Any:
+    """``[model.vision]`` as the options class of the tower that ``tower`` (set before this field)
+    names. The config loader hands the table over as plain data (the field is typed as a table,
+    so that one field may hold either class); it is checked here as the loader checks a section."""
+    if options.tower not in TOWERS:  # converters run before validators: name the bad tower here
+        raise FieldError("tower", f"must be one of {', '.join(map(repr, TOWERS))}, got {options.tower!r}")
+    wanted = TOWERS[options.tower]
+    if isinstance(value, wanted):
+        return value
+    if not isinstance(value, Mapping):
+        raise FieldError(
+            "vision", f"is a {type(value).__name__}; tower = {options.tower!r} takes a table of {wanted.__name__}"
+        )
+    # Messages read "... for model family 'cross_attention' with tower = 'vit'".
+    owner = types.SimpleNamespace(
+        category="models", name=f"cross_attention' with tower = '{options.tower}", options_class=wanted
+    )
+    return structure_options(None, owner, value, "model.vision")
+
+
 @attrs.frozen
 class CrossAttentionOptions:
     """``[model]`` with ``name = "cross_attention"``: a vision tower, a linear projector to the
@@ -88,8 +114,19 @@ class CrossAttentionOptions:
     language: ComponentConfig = component(
         "models", "llama", "The language model: any registered family that can wrap its blocks (WrapsBlocks)."
     )
-    vision: MllamaVisionOptions = attrs.field(
-        factory=MllamaVisionOptions, metadata=_doc("The vision tower: Mllama's tiled tower ([model.vision]).")
+    tower: str = attrs.field(
+        default="mllama",
+        validator=one_of(*TOWERS),
+        metadata=_doc(
+            "The vision tower: 'mllama' (Llama 3.2 Vision's tiled tower) or 'vit' (forge-vlm's ViT, llava's "
+            "tower); [model.vision] holds that tower's options."
+        ),
+    )
+    # Typed as a table for the loader; always a MllamaVisionOptions or ViTOptions after init.
+    vision: dict[str, Any] = attrs.field(
+        factory=dict,
+        converter=attrs.Converter(_tower_options, takes_self=True),
+        metadata=_doc("The vision tower's options ([model.vision]): MllamaVisionOptions or ViTOptions, by tower."),
     )
     image_token_id: int | None = attrs.field(
         default=None,
@@ -148,6 +185,22 @@ class CrossAttentionOptions:
     @property
     def init_std(self) -> float:
         return self.language_options.init_std
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Marker tokens per image in the text: one (the datasets read it)."""
+        return 1
+
+    @property
+    def states_per_image(self) -> int:
+        """Vision states one image gives the cross-attention layers: every tile's positions
+        (Mllama's tower), or the ViT's selected features."""
+        return self.vision.tokens_per_image
+
+    @property
+    def tower_width(self) -> int:
+        """Width of the tower's features (the projector's input)."""
+        return self.vision.output_dim if self.tower == "mllama" else self.vision.width
 
     def image_token(self, vocab_size: int) -> int:
         return self.image_token_id if self.image_token_id is not None else vocab_size - 1
