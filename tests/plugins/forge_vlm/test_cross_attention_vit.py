@@ -1,7 +1,8 @@
 """The cross_attention family with forge-vlm's ViT (``[model] tower = "vit"``): the cross-attention
-layers read the projected ViT features of each image, seen by the text from its marker on (against
-the tower, the projector and the masks computed by hand); both pixel layouts agree; what the ViT
-cannot take, [model.vision] keys of the other tower and an Mllama export are refused, named."""
+layers read the projected ViT features of each image, seen by the text from its marker on
+(against the tower, the projector and the masks computed by hand; test_mllama checks both pixel
+layouts); what the ViT cannot take, [model.vision] keys of the other tower and an Mllama export
+are refused, named."""
 
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ from forge_vlm.hf_mllama import to_mllama
 from forge_vlm.options import ViTOptions
 from forge_vlm.vision import VisionTower
 
-from .test_mllama import LANGUAGE, VOCAB, batch, open_gates
+from .test_mllama import LANGUAGE, VIT, VOCAB, batch, open_gates
 
-VIT = {"image_size": 16, "patch_size": 4, "width": 32, "depth": 2, "heads": 4, "mlp_dim": 48}
 STATES = 16  # 4 x 4 patches; the class token dropped (feature_select "default")
 
 
@@ -59,14 +59,6 @@ def test_text_attends_to_the_projected_vit_features_from_its_marker_on(model):
         text = model(ids)
     assert torch.equal(got[0, :2], text[0, :2])  # before row 0's marker: the language model alone
     assert not torch.allclose(got[0, 2:], text[0, 2:], atol=1e-4)
-
-
-def test_four_d_pixel_values_give_the_five_d_logits(model):
-    ids, pixels, image_mask = batch()
-    with torch.no_grad():
-        five = model(ids, pixel_values=pixels, image_mask=image_mask)
-        four = model(ids, pixel_values=pixels[image_mask])
-    torch.testing.assert_close(four, five, rtol=0, atol=1e-6)
 
 
 def test_tiles_and_images_of_another_size_are_refused(model):

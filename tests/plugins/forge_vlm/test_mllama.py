@@ -25,6 +25,7 @@ VISION = {
     "aspect_ratios": [[1, 1], [1, 2], [2, 1], [2, 2]],
     "intermediate_layers": [0],
 }
+VIT = {"image_size": 16, "patch_size": 4, "width": 32, "depth": 2, "heads": 4, "mlp_dim": 48}  # tower = "vit"
 LANGUAGE = {"name": "llama", "dim": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32}
 
 
@@ -92,8 +93,9 @@ def test_images_reach_only_the_text_after_their_marker(manager):
     assert torch.equal(a[0, :2], text[0, :2])  # text before any marker: the language model's logits
 
 
-def test_four_d_pixel_values_in_batch_order_give_the_same_logits(manager):
-    model = build(manager).eval()
+@pytest.mark.parametrize("tower", [{}, {"tower": "vit", "vision": VIT}], ids=["mllama", "vit"])
+def test_four_d_pixel_values_in_batch_order_give_the_same_logits(manager, tower):
+    model = build(manager, **tower).eval()
     open_gates(model)
     ids, pixels, image_mask = batch()
     with torch.no_grad():
