@@ -52,13 +52,14 @@ def _from_hf(hf_dir: Path, manager: Any) -> tuple[torch.nn.Module, Any]:
     from forge_lm.cli._import_hf import _build, _check_fits, _load
     from forge_lm.config import TrainSection, structure_config
     from forge_lm.errors import ConfigError, ForgeError, UsageError
-    from forge_lm.model.hf import convert_from_hf
+    from forge_lm.model.hf import convert_from_hf, sized_table
 
     imported = convert_from_hf(manager, hf_dir)
     table = imported.table
     layers: dict[str, Any] = {
         "model": table,
-        "train": {"seq_len": min(TrainSection().seq_len, table["max_seq_len"])},
+        # a vision-language table keeps its sizes in [model.language]
+        "train": {"seq_len": min(TrainSection().seq_len, sized_table(table)["max_seq_len"])},
     }
     tokenizer_file = hf_dir / "tokenizer.json"
     if tokenizer_file.is_file():
