@@ -109,3 +109,11 @@ def debug_run(tmp_path_factory):
         timeout=600,
     )
     return run, result
+
+
+@pytest.fixture(scope="session")
+def trained_debug_run(debug_run):
+    """The directory of :func:`debug_run`, which must have trained."""
+    run, result = debug_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run

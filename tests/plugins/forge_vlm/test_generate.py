@@ -24,13 +24,6 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def trained(debug_run):
-    run, result = debug_run
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run
-
-
-@pytest.fixture(scope="module")
 def images(tmp_path_factory):
     """Solid red and blue (two of the synthetic data's colours), at sizes other than the model's."""
     folder = tmp_path_factory.mktemp("images")
@@ -41,8 +34,8 @@ def images(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def loaded(trained, vlm_manager):
-    model, _, tokenizer = load_for_inference(trained, vlm_manager)
+def loaded(trained_debug_run, vlm_manager):
+    model, _, tokenizer = load_for_inference(trained_debug_run, vlm_manager)
     return model, tokenizer
 
 
@@ -81,7 +74,7 @@ class _WithoutCache(torch.nn.Module):
         return self.model(input_ids, **inputs)
 
 
-def test_greedy_generation_with_an_image_equals_full_forwards_by_hand(trained, images, loaded, capsys):
+def test_greedy_generation_with_an_image_equals_full_forwards_by_hand(trained_debug_run, images, loaded, capsys):
     model, tokenizer = loaded
     pixels = _pixels_by_hand(images / "red.png")
     prompt = [IMAGE_TOKEN] * TOKENS_PER_IMAGE  # no text: the image goes before it
@@ -92,7 +85,7 @@ def test_greedy_generation_with_an_image_equals_full_forwards_by_hand(trained, i
     # a model without a KV cache gets the images with every full forward
     uncached = generate(_WithoutCache(model), prompt, NEW, temperature=0, eos_id=EOS, inputs={"pixel_values": pixels})
     assert uncached == expected
-    args = [str(trained), "--image", str(images / "red.png"), "--temperature=0", f"--max-new-tokens={NEW}"]
+    args = [str(trained_debug_run), "--image", str(images / "red.png"), "--temperature=0", f"--max-new-tokens={NEW}"]
     code, out, err = _forge_generate(capsys, *args)
     assert code == 0, err
     assert out == tokenizer.decode(expected[len(prompt) :]) + "\n"
@@ -113,10 +106,10 @@ def test_cached_decoding_gives_the_logits_of_full_forwards(loaded, images):
             torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
 
 
-def test_different_images_give_different_text(trained, images, capsys):
+def test_different_images_give_different_text(trained_debug_run, images, capsys):
     outputs = []
     for name in ("red.png", "blue.png"):
-        args = [str(trained), "--image", str(images / name), "--temperature=0", f"--max-new-tokens={NEW}"]
+        args = [str(trained_debug_run), "--image", str(images / name), "--temperature=0", f"--max-new-tokens={NEW}"]
         code, out, err = _forge_generate(capsys, *args)
         assert code == 0, err
         outputs.append(out)
@@ -135,7 +128,7 @@ def test_the_image_goes_where_the_prompt_marks_it(loaded, images):
     assert inputs["pixel_values"].shape == (2, 3, 16, 16)  # the processors' layout, in order
 
 
-def test_bad_images_and_markers_are_refused_naming_them(trained, images, capsys):
+def test_bad_images_and_markers_are_refused_naming_them(trained_debug_run, images, capsys):
     red = str(images / "red.png")
     cases = [
         (["--image", str(images / "missing.png")], "the image '.*missing.png' does not exist"),
@@ -144,7 +137,7 @@ def test_bad_images_and_markers_are_refused_naming_them(trained, images, capsys)
         (["--image", red, "--prompt", "<image> and <image>"], r"an <image> marker with no image \(1 images, 2"),
     ]
     for args, message in cases:
-        code, out, err = _forge_generate(capsys, str(trained), *args)
+        code, out, err = _forge_generate(capsys, str(trained_debug_run), *args)
         assert code == 2, (args, err)
         assert out == "", (args, out)
         assert err.startswith("forge: error:"), err

@@ -16,15 +16,8 @@ IMAGE_TOKEN, TOKENS_PER_IMAGE = 259, 16
 
 
 @pytest.fixture(scope="module")
-def run(debug_run):
-    directory, result = debug_run
-    assert result.returncode == 0, result.stderr[-3000:]
-    return directory
-
-
-@pytest.fixture(scope="module")
-def loaded(run, vlm_manager):
-    model, tokenizer = forge_lm.load_pretrained(run, plugins=vlm_manager)
+def loaded(trained_debug_run, vlm_manager):
+    model, tokenizer = forge_lm.load_pretrained(trained_debug_run, plugins=vlm_manager)
     return model, tokenizer
 
 
@@ -60,12 +53,14 @@ def test_the_loaded_model_takes_images_as_processors_give_them(loaded, inputs):
     torch.testing.assert_close(other[1, :20], got[1, :20])  # causal: the text before row 1's image is unchanged
 
 
-def test_the_exported_run_gives_the_same_logits_in_transformers(run, loaded, inputs, tmp_path, vlm_manager):
+def test_the_exported_run_gives_the_same_logits_in_transformers(
+    trained_debug_run, loaded, inputs, tmp_path, vlm_manager
+):
     from transformers import LlavaForConditionalGeneration
 
     model, _ = loaded
     ids, pixels = inputs
-    assert main(["export-hf", str(run), str(tmp_path / "hf"), "--plugins=vlm"]) == 0
+    assert main(["export-hf", str(trained_debug_run), str(tmp_path / "hf"), "--plugins=vlm"]) == 0
     reference = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     again, _ = forge_lm.load_pretrained(tmp_path / "hf", plugins=vlm_manager)  # the export read back
     with torch.no_grad():
