@@ -1,16 +1,21 @@
-"""``forge config show|validate``."""
+"""``forge config show|validate|reference``."""
 
 from __future__ import annotations
 
 import sys
 
-HELP = "show or validate a run config"
+HELP = "show or validate a run config, or list every option (reference)"
 TAKES_OVERRIDES = True
 
 _ACTIONS = {
     "show": "print the fully resolved config as TOML",
     "validate": "check a config and estimate its memory per rank; exit 0 if valid, 2 if not (or if it cannot fit)",
 }
+REFERENCE = "reference"
+_REFERENCE_HELP = (
+    "print every option of every section and of every installed component, as Markdown "
+    "(docs/config-reference.md is this for the core and the first-party plugins)"
+)
 
 
 def add_arguments(parser) -> None:
@@ -23,6 +28,10 @@ def add_arguments(parser) -> None:
         )
         add_config_argument(sub)
         add_plugin_switches(sub, after_command=True)
+    reference = actions.add_parser(
+        REFERENCE, help=_REFERENCE_HELP, description=_REFERENCE_HELP[0].upper() + _REFERENCE_HELP[1:] + "."
+    )
+    add_plugin_switches(reference, after_command=True)
 
 
 def run(args, overrides, plugins) -> int:
@@ -31,7 +40,18 @@ def run(args, overrides, plugins) -> int:
     from forge_lm.errors import UsageError
 
     if args.config_command is None:
-        raise UsageError("say what to do with the config: 'forge config show' or 'forge config validate'.")
+        raise UsageError(
+            "say what to do with the config: 'forge config show', 'forge config validate' or 'forge config reference'."
+        )
+    if args.config_command == REFERENCE:
+        from forge_lm.config._reference import reference_markdown
+
+        if overrides:
+            raise UsageError(
+                "'forge config reference' takes no overrides: it lists every option, whatever a config sets."
+            )
+        sys.stdout.write(reference_markdown(plugins().registry))
+        return 0
     path = checked_config_file(args.config_file)
     manager = plugins()
     notes: list[str] = []  # options of a replaced component that a later layer dropped
