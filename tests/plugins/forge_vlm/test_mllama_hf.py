@@ -61,12 +61,12 @@ def open_hf_gates(model) -> None:
                 param.copy_(0.5 + torch.rand(param.shape, generator=generator))
 
 
-def inputs():
+def inputs(vocab: int = VOCAB, mark: int = MARK):
     """Two rows as Mllama's processor lays them out: bos, the marker, text; row 1 has two images."""
     generator = torch.Generator().manual_seed(4)
-    ids = torch.randint(3, VOCAB, (2, 10), generator=generator)
+    ids = torch.randint(3, min(vocab, mark), (2, 10), generator=generator)
     ids[:, 0] = 0
-    ids[0, 1] = ids[1, 1] = ids[1, 5] = MARK
+    ids[0, 1] = ids[1, 1] = ids[1, 5] = mark
     pixels = torch.randn(2, 2, 4, 3, 16, 16, generator=generator)
     aspect_ids = torch.tensor([[4, 0], [1, 2]])
     aspect_mask = torch.tensor([[[1, 1, 1, 1], [0, 0, 0, 0]], [[1, 0, 0, 0], [1, 1, 0, 0]]])
