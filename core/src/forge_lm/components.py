@@ -44,9 +44,37 @@ class MetricsContext:
     total_steps: int = 0  # the run's max_steps, for progress displays (0: unknown)
 
 
+@runtime_checkable
+class EvalData(Protocol):
+    """One evaluation set of a run, as the run's own evaluation reads it (an
+    :class:`EvaluatorContext` gives them): this rank's slice of the same batches every call."""
+
+    prefix: str  # where the run logs its loss: "eval" ([data]'s held-out split) or "eval/<set name>"
+    steps: int  # the batches an evaluation reads
+
+    def batches(self) -> Iterator[Mapping[str, Any]]:
+        """The ``steps`` batches, on the run's device: input_ids, labels, document_ids and any
+        inputs the dataset adds (pixel_values), as the training step gets them."""
+        ...
+
+
+def call_model(model: Any, batch: Mapping[str, Any]) -> Any:
+    """The model's logits for ``batch``, called as the run calls it in one process: the token ids,
+    the document ids (packed documents do not attend to each other) and the batch inputs the model
+    declares (:func:`batch_inputs`)."""
+    return model(batch["input_ids"], batch.get("document_ids"), **batch_inputs(model, batch))
+
+
+def _no_autocast() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 @attrs.frozen
 class EvaluatorContext:
-    """What an evaluator factory needs to know about the run."""
+    """What an evaluator factory needs to know about the run: everything to evaluate the live
+    model on the run's own data, so an evaluator never reads the run's ``config.toml``."""
 
     run_dir: Path
     tokenizer: Any  # the run's Tokenizer: text in, the model's ids out
@@ -58,6 +86,10 @@ class EvaluatorContext:
     dtype: Any  # autocast dtype of the run (torch.bfloat16), or None for fp32
     rank: int = 0
     world_size: int = 1
+    validation: EvalData | None = None  # [data]'s held-out split, when the run evaluates it (no [eval.datasets])
+    eval_sets: Mapping[str, EvalData] = attrs.field(factory=dict)  # [eval.datasets], by set name
+    autocast: Any = _no_autocast  # autocast(): the run's torch.autocast context for a forward pass
+    call_model: Any = call_model  # call_model(model, batch) -> logits, as the run calls the model
 
 
 @attrs.frozen

@@ -43,8 +43,9 @@ expected (the pass mark) and what it measured.
   ``TRANSFORM_ORDER``; ``enabled(context)`` answers a bool; neither ``enabled`` nor ``apply``
   changes the run's config; ``apply`` keeps every parameter name and leaves at least one
   parameter to train (skipped, with the reason, when the transform is not enabled in that run).
-- evaluators, built with a one-process CPU ``EvaluatorContext`` (the ``bytes`` tokenizer) and
-  called as the loop calls them (a tiny llama model in eval mode, under ``torch.no_grad()``):
+- evaluators, built with a one-process CPU ``EvaluatorContext`` (the ``bytes`` tokenizer;
+  evaluation data as a run gives it, ``validation`` and ``eval_sets["kit"]``, two batches each of
+  random token windows) and called as the loop calls them (a tiny llama model in eval mode, under ``torch.no_grad()``):
   ``evaluate`` returns a mapping of metric names to finite Python numbers (an undefined metric
   is left out); the weights (values and dtypes), ``requires_grad``, gradients and every
   module's train/eval mode are the same after the call.

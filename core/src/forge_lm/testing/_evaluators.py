@@ -3,16 +3,18 @@
 model as it found it (:class:`forge_lm.components.Evaluator`).
 
 The kit builds the evaluator with an :class:`~forge_lm.components.EvaluatorContext` of a
-one-process CPU run in fp32 (the ``bytes`` tokenizer, a temporary run directory; the aid
-``context`` replaces it) and calls ``evaluate`` as the training loop does: on a tiny
-llama-family model of the context's vocabulary, in eval mode, under ``torch.no_grad()``.
+one-process CPU run in fp32 (the ``bytes`` tokenizer, a temporary run directory, evaluation
+data as a run gives it: ``validation`` and one named set, ``eval_sets["kit"]``, each two batches
+of random token windows, the same every call; the aid ``context`` replaces it) and calls
+``evaluate`` as the training loop does: on a tiny llama-family model of the context's
+vocabulary, in eval mode, under ``torch.no_grad()``.
 """
 
 from __future__ import annotations
 
 import math
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from numbers import Real
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,23 @@ STEP = 10
 TINY_MODEL = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}
 
 
+class KitEvalData:
+    """An evaluation set as a run gives one (:class:`~forge_lm.components.EvalData`): ``steps``
+    batches of random windows of ``seq_len + 1`` ids, split into inputs and next-token labels,
+    the same every call."""
+
+    def __init__(self, prefix: str, vocab_size: int, batch_size: int, seq_len: int, seed: int, steps: int = 2):
+        self.prefix, self.steps = prefix, steps
+        self._shape, self._vocab_size, self._seed = (batch_size, seq_len + 1), vocab_size, seed
+
+    def batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(self._seed)
+        for _ in range(self.steps):
+            window = torch.randint(self._vocab_size, self._shape, generator=generator)
+            ids, labels = window[:, :-1], window[:, 1:]
+            yield {"input_ids": ids, "labels": labels, "document_ids": torch.zeros_like(ids)}
+
+
 def _context(subject: Subject, run_dir: Path) -> Any:
     from forge_lm.components import EvaluatorContext
 
@@ -33,15 +52,18 @@ def _context(subject: Subject, run_dir: Path) -> Any:
     if given is not None:
         return given
     tokenizer = subject.manager.registry.resolve("tokenizers", "bytes").build_for_run(None)
+    vocab_size, batch_size, seq_len = tokenizer.vocab_size, 2, 16
     return EvaluatorContext(
         run_dir=run_dir,
         tokenizer=tokenizer,
-        vocab_size=tokenizer.vocab_size,
-        seq_len=16,
+        vocab_size=vocab_size,
+        seq_len=seq_len,
         max_seq_len=TINY_MODEL["max_seq_len"],
-        batch_size=2,
+        batch_size=batch_size,
         device=torch.device("cpu"),
         dtype=None,
+        validation=KitEvalData("eval", vocab_size, batch_size, seq_len, seed=1),
+        eval_sets={"kit": KitEvalData("eval/kit", vocab_size, batch_size, seq_len, seed=2)},
     )
 
 

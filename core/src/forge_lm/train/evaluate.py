@@ -11,7 +11,7 @@ of ``[eval.datasets]`` instead (``eval/<set name>/loss``): one :class:`Evaluator
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +21,11 @@ from forge_lm.data.loader import BatchLoader
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.losses.aux import collect_aux
 from forge_lm.train.builders import build_dataset
+
+
+def run_autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+    """The run's autocast context for one forward pass: ``dtype`` on ``device``, none for fp32."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
 class Evaluator:
@@ -39,6 +44,7 @@ class Evaluator:
         source: str = "the evaluation data",
         prefix: str = "eval",
         steps_at: str = "[eval] steps",
+        name: str | None = None,
     ) -> None:
         self.loader = BatchLoader(dataset, batch_size, vocab_size, source)  # ids checked like training's
         self.start = self.loader.state_dict()
@@ -47,6 +53,7 @@ class Evaluator:
         self.dtype = dtype
         self.prefix = prefix
         self.steps_at = steps_at
+        self.name = name  # the set's name in [eval.datasets]; None for [data]'s held-out split
 
     def check(self) -> None:
         """Read the batches an evaluation reads, without the model: data that ends before
@@ -68,22 +75,29 @@ class Evaluator:
             f"reads {self.steps} ({self.steps_at}); lower it, or give the data more samples."
         )
 
+    def batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The ``steps`` batches an evaluation reads, the same every call, on the device (the
+        :class:`~forge_lm.components.EvalData` an evaluator gets)."""
+        self.loader.load_state_dict(self.start)
+        batches = iter(self.loader)
+        for index in range(self.steps):
+            batch = next(batches, None)
+            if batch is None:  # see check(): a plain StopIteration here would name nothing
+                raise self._ran_out(index)
+            yield {key: value.to(self.device) for key, value in batch.items()}
+
+    def autocast(self) -> Any:
+        return run_autocast(self.device, self.dtype)
+
     @torch.no_grad()
     def run(
         self, loss_of: Callable[[dict[str, torch.Tensor]], float], reduce: Callable[[float], float]
     ) -> dict[str, float]:
         """``loss_of(batch)``: this rank's loss of one batch; ``reduce``: the mean over the
         data-parallel ranks (each evaluates its own slice of the same batches)."""
-        self.loader.load_state_dict(self.start)
-        batches = iter(self.loader)
         losses = []
-        for index in range(self.steps):
-            batch = next(batches, None)
-            if batch is None:  # see check(): a plain StopIteration here would name nothing
-                raise self._ran_out(index)
-            batch = {key: value.to(self.device) for key, value in batch.items()}
-            autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None)
-            with collect_aux() as aux, autocast:
+        for batch in self.batches():
+            with collect_aux() as aux, self.autocast():
                 value = loss_of(batch)
             losses.append(value - sum(float(term) for term in aux.loss_terms.values()))
         # One reduction, on every rank alike: under pipeline parallelism only the last stage
@@ -101,6 +115,16 @@ class EvalSets:
     def check(self) -> None:
         for evaluator in self.evaluators:
             evaluator.check()
+
+    @property
+    def validation(self) -> Evaluator | None:
+        """[data]'s held-out split, when the run evaluates it (it has no [eval.datasets])."""
+        return next((evaluator for evaluator in self.evaluators if evaluator.name is None), None)
+
+    @property
+    def named(self) -> dict[str, Evaluator]:
+        """The sets of [eval.datasets], by name."""
+        return {evaluator.name: evaluator for evaluator in self.evaluators if evaluator.name is not None}
 
     def run(
         self, loss_of: Callable[[dict[str, torch.Tensor]], float], reduce: Callable[[float], float]
@@ -142,7 +166,7 @@ def build_eval_sets(
             steps, steps_at = (chosen.steps, f"{where} steps") if chosen.steps else (config.eval.steps, "[eval] steps")
             source = f"eval set '{name}'"
             evaluators.append(
-                Evaluator(data, batch_size, steps, device, dtype, vocab_size, source, f"eval/{name}", steps_at)
+                Evaluator(data, batch_size, steps, device, dtype, vocab_size, source, f"eval/{name}", steps_at, name)
             )
     sets = EvalSets(evaluators)
     sets.check()

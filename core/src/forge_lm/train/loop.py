@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from forge_lm import events
 from forge_lm.checkpoint import CheckpointManager
-from forge_lm.components import EvaluationPointOptimizer, EvaluatorContext, batch_inputs
+from forge_lm.components import EvaluationPointOptimizer, EvaluatorContext, call_model
 from forge_lm.config import ForgeConfig, model_options, to_data
 from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed import (
@@ -75,7 +75,7 @@ from forge_lm.train.builders import (
 from forge_lm.train.cpu_memory import keep_freed_memory
 from forge_lm.train.device import autocast_dtype, batch_transfer, resolve_device, seed_everything
 from forge_lm.train.ending import Teardown, collective_timeout, end_run, stop_for_plugin, warn_about_unused_plugins
-from forge_lm.train.evaluate import EvalSets, build_eval_sets
+from forge_lm.train.evaluate import EvalSets, build_eval_sets, run_autocast
 from forge_lm.train.guards import Guards
 from forge_lm.train.profiling import StepProfiler
 from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree, check_startup
@@ -241,6 +241,9 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
             dtype=dtype,
             rank=launch.rank,
             world_size=launch.world_size,
+            validation=evaluator.validation,
+            eval_sets=evaluator.named,
+            autocast=partial(run_autocast, device, dtype),
         )
         evaluators = build_evaluators(config, evaluator_context)
     if dims.distributed and is_main_process():
@@ -616,7 +619,7 @@ def _forward(
     that takes more of the batch (images: :class:`~forge_lm.components.TakesBatchInputs`) gets
     those keys as keyword arguments; context parallelism is refused for it."""
     if context_parallel is None:
-        return model(batch["input_ids"], batch.get("document_ids"), **batch_inputs(model, batch)), batch["labels"]
+        return call_model(model, batch), batch["labels"]  # as an evaluator calls it (EvaluatorContext)
     batch = context_parallel.shard(batch)
     return model(batch["input_ids"], batch.get("document_ids"), positions=batch["positions"]), batch["labels"]
 
