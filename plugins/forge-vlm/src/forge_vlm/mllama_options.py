@@ -126,7 +126,12 @@ class CrossAttentionOptions:
     vision: dict[str, Any] = attrs.field(
         factory=dict,
         converter=attrs.Converter(_tower_options, takes_self=True),
-        metadata=_doc("The vision tower's options ([model.vision]): MllamaVisionOptions or ViTOptions, by tower."),
+        metadata=_doc(
+            "The vision tower's options ([model.vision]), unset = that tower's defaults. tower = 'mllama': image_size "
+            "(of a tile), patch_size, channels, width, depth, global_depth, heads, mlp_dim, norm_eps, max_num_tiles, "
+            "aspect_ratios, intermediate_layers (Llama 3.2 Vision's by default); tower = 'vit': llava's [model.vision] "
+            "options (ViTOptions)."
+        ),
     )
     image_token_id: int | None = attrs.field(
         default=None,
