@@ -44,16 +44,29 @@ def test_every_section_option_and_every_component_is_listed(first_party):
     assert "| `path` |" in memmap
 
 
-def test_a_plugin_field_without_a_doc_takes_the_comment_on_its_line():
+def test_a_plugin_field_without_a_doc_takes_its_comment():
     source = (
         "class Options:\n"
         "    window: int = attrs.field(default=4096)  # keys a query sees\n"
         "    spread: float = attrs.field(\n"
-        "        default=1.0,  # not this one: inside the call\n"
+        "        default=1.0,  # not this one: a later line inside the call\n"
         "    )  # how wide\n"
+        "    mode: str = attrs.field(  # how to mix\n"
+        "        default='a'\n"
+        "    )\n"
+        "    # The block above a field,\n"
+        "    # over two lines.\n"
+        "    rate: float = 0.5\n"
+        "    # a note about nothing below\n"
+        "\n"
         "    plain: int = 3\n"
     )
-    assert dict(_field_comments(source)) == {"window": "keys a query sees", "spread": "how wide"}
+    assert dict(_field_comments(source)) == {
+        "window": "keys a query sees",
+        "spread": "how wide",
+        "mode": "how to mix",
+        "rate": "The block above a field, over two lines.",
+    }
 
 
 def test_the_command_prints_the_reference_of_the_installed_plugins(capsys):

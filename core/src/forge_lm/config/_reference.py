@@ -224,24 +224,41 @@ def _line_comments(options_class: type) -> dict[str, str]:
 
 
 def _field_comments(source: str) -> Iterator[tuple[str, str]]:
-    """``(name, comment)`` for each ``name: type = ...  # comment`` line of a class body (the
-    comment may follow the field's last line when its definition spans several)."""
-    current: str | None = None
-    depth = 0
+    """``(name, comment)`` for each field of a class body: the comment after its definition
+    (``name: type = ...  # comment``, after the closing bracket of a definition spanning several
+    lines), else one on its first line inside the call (``= attrs.field(  # comment``), else the
+    block of comment lines just above it."""
     try:
         tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     except (tokenize.TokenError, IndentationError, SyntaxError):
         return
+    depth = 0
+    above: list[str] = []  # comment lines since the last statement
+    field: str | None = None  # the field whose definition is being read
+    first_line, inside, after = 0, "", ""
     for index, token in enumerate(tokens):
-        if token.type == tokenize.OP and token.string in "([{":
+        kind, text = token.type, token.string
+        if kind == tokenize.OP and text in "([{":
             depth += 1
-        elif token.type == tokenize.OP and token.string in ")]}":
+        elif kind == tokenize.OP and text in ")]}":
             depth -= 1
-        elif token.type == tokenize.NAME and depth == 0 and token.start[1] == 4:
+        elif kind == tokenize.NAME and depth == 0 and token.start[1] == 4 and field is None:
             following = tokens[index + 1] if index + 1 < len(tokens) else None
-            current = token.string if following is not None and following.string == ":" else None
-        elif token.type == tokenize.COMMENT and current is not None and depth == 0:
-            yield current, token.string.lstrip("#").strip()
-            current = None
-        elif token.type == tokenize.NEWLINE:  # the field's statement ended without a comment
-            current = None
+            if following is not None and following.string == ":":
+                field, first_line, inside, after = text, token.start[0], "", ""
+        elif kind == tokenize.COMMENT:
+            comment = text.lstrip("#").strip()
+            if field is None:
+                above.append(comment)
+            elif depth == 0:
+                after = after or comment
+            elif token.start[0] == first_line:
+                inside = inside or comment
+        elif kind == tokenize.NEWLINE:  # a statement ended: a field's definition, or anything else
+            if field is not None:
+                described = after or inside or " ".join(above)
+                if described:
+                    yield field, described
+            field, above = None, []
+        elif kind == tokenize.NL and field is None and token.line.strip() == "":
+            above = []  # a blank line: the comments above belong to nothing below

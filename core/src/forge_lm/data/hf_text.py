@@ -8,6 +8,12 @@ corpus must fit in memory as tokens; ``datasets`` keeps its own cache of the par
 (``cache_dir``). For larger corpora, either run ``forge prepare-data`` and use the ``memmap``
 dataset, or set ``streaming = true``: the files are then read as a stream and tokenized on the
 fly (:mod:`forge_lm.data.streaming`), with the same rows, split and packing.
+
+Instead of local files, ``dataset = "org/name"`` reads a dataset of the Hugging Face Hub by id
+(its ``dataset_config``, ``hub_split`` and ``revision``), with or without ``streaming``, as users of
+torchtitan and OLMo do. That needs network, or the dataset already in the ``datasets`` cache
+(``cache_dir`` or ``HF_DATASETS_CACHE``) with ``HF_HUB_OFFLINE=1``; credentials for a gated
+dataset come from the environment, never from the config. Its ``text_field`` holds the text.
 """
 
 from __future__ import annotations
@@ -53,9 +59,56 @@ def reader(options: Any) -> tuple[str, dict[str, Any]]:
     return ("parquet" if options.format == "parquet" else "json"), {}
 
 
+def load_hub(datasets: Any, options: Any, *, streaming: bool) -> Any:
+    """The ``split`` of the Hub dataset ``options.dataset`` (a ``Dataset``, or an
+    ``IterableDataset`` when ``streaming``); a ConfigError naming the dataset and what loading it
+    needs when it cannot be had."""
+    try:
+        return datasets.load_dataset(
+            options.dataset,
+            options.dataset_config,
+            split=options.hub_split,
+            revision=options.revision,
+            cache_dir=options.cache_dir,
+            streaming=streaming,
+        )
+    except Exception as exc:  # datasets raises its own kinds and the network's (ConnectionError, ...)
+        offline = datasets.config.HF_HUB_OFFLINE
+        reason = " ".join(str(exc).split())
+        raise ConfigError(
+            f"dataset 'hf_text' cannot load '{options.dataset}' (configuration {options.dataset_config or 'default'}, "
+            f"split {options.hub_split!r}) from the Hugging Face Hub: {type(exc).__name__}: {reason}. "
+            + (
+                "Offline (HF_HUB_OFFLINE=1), a Hub dataset loads only from the datasets cache: load it once with "
+                "network, or point cache_dir at a cache that holds it."
+                if offline
+                else "Loading by id needs network (and, for a gated dataset, HF_TOKEN); without it, download the "
+                "files and set path instead."
+            )
+        ) from exc
+
+
+def text_field(options: Any) -> str:
+    """The field holding each row's text: ``text`` for text files, else ``text_field``."""
+    return "text" if options.format == "text" and options.dataset is None else options.text_field
+
+
+def corpus_name(options: Any) -> str:
+    """The corpus as messages name it: the path, or the Hub dataset's id."""
+    return options.path if options.dataset is None else f"hub:{options.dataset}"
+
+
 def load_rows(options: Any) -> Any:
-    """The rows of the files ``options.path`` names, as a ``datasets.Dataset``."""
+    """The rows of the files ``options.path`` names (or of the Hub dataset), as a ``datasets.Dataset``."""
     datasets = _import_datasets()
+    if options.dataset is not None:
+        rows = load_hub(datasets, options, streaming=False)
+        if options.text_field not in rows.column_names:
+            raise ConfigError(
+                f"dataset 'hf_text': the rows of '{options.dataset}' have no field '{options.text_field}'; set "
+                f"text_field to one of {', '.join(repr(c) for c in rows.column_names)}."
+            )
+        return rows
     files = [str(path) for path in resolve_files(options.path, SUFFIXES[options.format], "hf_text")]
     builder, settings = reader(options)
     try:
@@ -92,23 +145,23 @@ def build_hf_text(options: Any, context: DataContext) -> Any:
         from forge_lm.data.streaming import StreamingTextDataset
 
         datasets = _import_datasets()
-        files = resolve_files(options.path, SUFFIXES[options.format], "hf_text")
+        files = [] if options.dataset is not None else resolve_files(options.path, SUFFIXES[options.format], "hf_text")
         return StreamingTextDataset(options, context, files, datasets)
     tokenizer = check_tokenizer(context.tokenizer, context.vocab_size, "hf_text")
     rows = load_rows(options)
-    field = "text" if options.format == "text" else options.text_field
+    field = text_field(options)
     tokens = pack_documents(_documents(rows, field, options.eval_fraction, context.split), tokenizer)
     if len(tokens) == 0 and next(_documents(rows, field, 0.0, "train"), None) is None:  # no split: all of it
         raise ConfigError(
-            f"dataset 'hf_text' ('{options.path}') holds no text: its {len(rows)} rows are all blank (an empty "
+            f"dataset 'hf_text' ('{corpus_name(options)}') holds no text: its {len(rows)} rows are all blank (an empty "
             "file?); point path at the corpus, or fill it."
         )
     if context.split == "eval" and len(tokens) == 0:
         raise ConfigError(
-            f"the eval split of dataset 'hf_text' ('{options.path}', {len(rows)} documents) is empty; raise "
+            f"the eval split of dataset 'hf_text' ('{corpus_name(options)}', {len(rows)} documents) is empty; raise "
             "eval_fraction or set [eval] interval = 0."
         )
-    source = f"the {context.split} split of the hf_text data at '{options.path}'"
+    source = f"the {context.split} split of the hf_text data at '{corpus_name(options)}'"
     return WindowDataset(TokenStream([tokens]), context, eos_id=tokenizer.eos_id, source=source)
 
 

@@ -58,7 +58,7 @@ import torch
 
 from forge_lm.components import DataContext
 from forge_lm.data._random import hash_keys
-from forge_lm.data.hf_text import first_bad_line, reader, unreadable
+from forge_lm.data.hf_text import corpus_name, first_bad_line, load_hub, reader, text_field, unreadable
 from forge_lm.data.packing import check_tokenizer, window_sample
 from forge_lm.data.sampler import KeyedPermutation
 from forge_lm.data.shards import token_dtype
@@ -100,25 +100,31 @@ class StreamingTextDataset:
         self.tokenizer = check_tokenizer(context.tokenizer, context.vocab_size, "hf_text")
         self.context = context
         self.files = files
+        self._options = options
+        # The sources read in turn: the files, or the one Hub dataset (streamed from the Hub).
+        self.hub = options.dataset is not None
+        self.sources = [options.dataset] if self.hub else [str(path) for path in files]
         self._datasets = datasets
         self.format = options.format
-        self.field = "text" if options.format == "text" else options.text_field
+        self.field = text_field(options)
         self._builder, self._settings = reader(options)
         self.eval = context.split == "eval"
         self._is_held_out = held_out_rule(options.eval_fraction)
         self.block_size = 1 if self.eval else max(1, options.shuffle_buffer)
         self.shuffle = not self.eval and options.shuffle_buffer > 0
         self._dtype = token_dtype(self.tokenizer.vocab_size)
-        self.source = f"the {context.split} split of the streamed hf_text data at '{options.path}'"
+        self.source = f"the {context.split} split of the streamed hf_text data at '{corpus_name(options)}'"
         if self.eval and options.eval_fraction == 0:
             raise ConfigError(
-                f"the eval split of dataset 'hf_text' ('{options.path}') is empty: eval_fraction = 0; raise "
+                f"the eval split of dataset 'hf_text' ('{corpus_name(options)}') is empty: eval_fraction = 0; raise "
                 "eval_fraction or set [eval] interval = 0."
             )
         # What a saved position means depends on these: resuming with other files, options or
         # tokenizer would read other documents at the same numbers.
         identity = [
-            [path.name for path in files],
+            [options.dataset, options.dataset_config, options.hub_split, options.revision]
+            if self.hub
+            else [path.name for path in files],
             options.format,
             self.field,
             options.sample_by,
@@ -134,31 +140,43 @@ class StreamingTextDataset:
     # -- reading ----------------------------------------------------------------------------------
 
     def _rows(self, number: int, start: int) -> Iterator[Any]:
-        """The ``text_field`` values of file ``number``, from its row ``start``."""
+        """The ``text_field`` values of source ``number`` (a file, or the Hub dataset), from its row ``start``."""
+        if self.hub:
+            yield from self._stream_rows(load_hub(self._datasets, self._options, streaming=True), None, start)
+            return
         path = self.files[number]
         if self.format != "text" and path.stat().st_size == 0:
             return  # the json reader cannot open an empty file; it has no rows
         try:
-            try:
-                stream = self._datasets.load_dataset(
-                    self._builder, data_files=[str(path)], split="train", streaming=True, **self._settings
-                )
-            except StopIteration:  # the json reader found no row to infer the columns from
-                return
+            stream = self._datasets.load_dataset(
+                self._builder, data_files=[str(path)], split="train", streaming=True, **self._settings
+            )
+        except StopIteration:  # the json reader found no row to infer the columns from
+            return
+        except Exception as exc:  # datasets and Arrow raise many kinds for a malformed file
+            raise unreadable(path, self.format, exc, first_bad_line(path, self.format)) from exc
+        yield from self._stream_rows(stream, path, start)
+
+    def _stream_rows(self, stream: Any, path: Path | None, start: int) -> Iterator[Any]:
+        """The ``text_field`` values of ``stream`` from row ``start``; a failure names ``path``
+        (None: the Hub dataset)."""
+        name = Path(self.sources[0]) if path is None else path
+        try:
             columns = stream.column_names  # None when the reader cannot tell before reading
             if columns is not None:
-                self._check_field(path, columns)
+                self._check_field(name, columns)
                 stream = stream.select_columns([self.field])
             if start:
                 stream = stream.skip(start)
             for batch in stream.iter(batch_size=_BATCH_ROWS):
                 if self.field not in batch:
-                    self._check_field(path, list(batch))
+                    self._check_field(name, list(batch))
                 yield from batch[self.field]
         except ForgeError:
             raise
         except Exception as exc:  # datasets and Arrow raise many kinds for a malformed file
-            raise unreadable(path, self.format, exc, first_bad_line(path, self.format)) from exc
+            where = first_bad_line(path, self.format) if path is not None else None
+            raise unreadable(name, "the Hub's rows" if path is None else self.format, exc, where) from exc
 
     def _check_field(self, path: Path, columns: list[str]) -> None:
         if self.field not in columns:
@@ -173,12 +191,12 @@ class StreamingTextDataset:
         dp_rank, dp_size = self.context.dp_rank, self.context.dp_size
         while True:
             whole_pass, found = file == 0 and row == 0, False
-            while file < len(self.files):
+            while file < len(self.sources):
                 for text in self._rows(file, row):
                     if not isinstance(text, str):
                         shown = repr(text)[:80]
                         raise ForgeError(
-                            f"dataset 'hf_text': row {row} of '{self.files[file]}' (counting from 0) has "
+                            f"dataset 'hf_text': row {row} of '{self.sources[file]}' (counting from 0) has "
                             f"{self.field} = {shown}, not a string."
                         )
                     if text.strip() and self._is_held_out(index) == self.eval:
@@ -193,7 +211,7 @@ class StreamingTextDataset:
                 fix = "raise eval_fraction" if self.eval else "lower eval_fraction"
                 raise ConfigError(
                     f"{self.source} has no document for data-parallel rank {dp_rank} of {dp_size} ({index} rows in "
-                    f"{len(self.files)} files, {ordinal} documents in this split); {fix} or give the dataset more "
+                    f"{len(self.sources)} sources, {ordinal} documents in this split); {fix} or give the dataset more "
                     "documents."
                 )
             epoch, file, row, index, ordinal = epoch + 1, 0, 0, 0, 0
@@ -209,7 +227,7 @@ class StreamingTextDataset:
         tokens = self._tokens(text)
         if start != START and (row != start.row or start.offset >= len(tokens)):
             raise ForgeError(
-                f"the saved position in {self.source} (row {start.row.row} of '{self.files[start.row.file]}', token "
+                f"the saved position in {self.source} (row {start.row.row} of '{self.sources[start.row.file]}', token "
                 f"{start.offset}) is not in a document of this rank: the files changed since the checkpoint was "
                 "written, or the state was edited."
             )
@@ -334,7 +352,7 @@ class StreamingTextDataset:
         if set(mine) != set(_RANK_KEYS) or not all(_is_count(mine[key]) for key in _RANK_KEYS):
             raise ForgeError(f"the saved position of rank {self.context.dp_rank} in {self.source} is malformed.")
         if not (
-            mine["file"] < len(self.files)
+            mine["file"] < len(self.sources)
             and mine["row"] <= mine["index"]
             and mine["ordinal"] <= mine["index"]
             and mine["emitted"] < self.block_size

@@ -39,7 +39,14 @@ class MemmapOptions:
 
 @attrs.define
 class HfTextOptions:
-    path: str  # a file, a directory of files, or a glob ("corpus/**/*.jsonl")
+    path: str | None = None  # a file, a directory of files, or a glob ("corpus/**/*.jsonl")
+    # Instead of path: a dataset on the Hugging Face Hub by id ("HuggingFaceFW/fineweb-edu"). Needs
+    # network, or the dataset already in the datasets library's cache with HF_HUB_OFFLINE=1; a token
+    # for a gated dataset comes from the environment (HF_TOKEN) or `hf auth login`, never the config.
+    dataset: str | None = None
+    dataset_config: str | None = None  # the Hub dataset's configuration ("sample-10BT"); unset = its default
+    hub_split: str = "train"  # the Hub dataset's split to read (eval_fraction holds out part of it)
+    revision: str | None = None  # a Hub branch, tag or commit: pin it, so a resume reads the same rows
     format: str = attrs.field(default="text", validator=one_of("text", "json", "jsonl", "parquet"))
     text_field: str = "text"  # json/jsonl/parquet: the field holding each document's text
     sample_by: str = attrs.field(  # text: one document per file, per paragraph or per line
@@ -52,6 +59,14 @@ class HfTextOptions:
     shuffle_buffer: int = attrs.field(default=0, validator=non_negative)
 
     def __attrs_post_init__(self) -> None:
+        if (self.path is None) == (self.dataset is None):
+            raise FieldError(
+                "path" if self.path is None else "dataset",
+                'hf_text reads local files (path) or a Hugging Face Hub dataset (dataset = "org/name"): set '
+                "exactly one",
+            )
+        if (self.dataset is not None and self.dataset.count("/") > 1) or self.dataset == "":
+            raise FieldError("dataset", f"must be a Hub id such as 'org/name', got {self.dataset!r}")
         if self.shuffle_buffer and not self.streaming:
             raise FieldError(
                 "shuffle_buffer",
