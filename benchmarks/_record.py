@@ -25,6 +25,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
+# The CPU flags that decide which matrix-product kernels are fastest (two hosts of the same name can differ).
+MATMUL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
 def machine() -> dict[str, Any]:
@@ -36,9 +38,12 @@ def machine() -> dict[str, Any]:
     }
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.lower().startswith("model name"):
+            key = line.split(":", 1)[0].strip().lower()
+            if key == "model name" and "cpu_model" not in info:
                 info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
+            elif key == "flags" and "cpu_flags" not in info:  # what decides the fastest kernels here
+                present = set(line.split(":", 1)[1].split())
+                info["cpu_flags"] = [flag for flag in MATMUL_FLAGS if flag in present]
     with contextlib.suppress(OSError, AttributeError):
         info["load_average"] = [round(value, 2) for value in os.getloadavg()]  # a busy machine shows here
     try:
@@ -190,9 +195,29 @@ def write_results_md() -> None:
                 f"{_cell(item['value'])} | {item.get('meaning', '')} |"
             )
         lines.append("")
+    usual = _usual_host(records)
+    if usual is not None:
+        lines += [f"Most sections ran on {usual}; a section measured on another host says so.", ""]
     for record in records:
-        lines += record_markdown(record)
+        host = host_of(record)
+        section = record_markdown(record)
+        if usual is not None and host != usual:  # never mixed silently with the others' numbers
+            section[1:1] = ["", f"**Measured on another host than the rest of this file: {host}.**"]
+        lines += section
     (HERE / "RESULTS.md").write_text("\n".join(lines))
+
+
+def host_of(record: dict[str, Any]) -> str:
+    """A record's host as RESULTS.md names it: the CPU model, its CPU count and its matmul flags."""
+    m = record["machine"]
+    flags = m.get("cpu_flags")
+    described = f"{m.get('cpu_model') or m['processor']}, {m['cpus']} CPUs"
+    return described + (f" ({' '.join(flags) or 'no AVX2'})" if flags is not None else "")
+
+
+def _usual_host(records: list[dict[str, Any]]) -> str | None:
+    hosts = [host_of(record) for record in records]
+    return max(sorted(set(hosts)), key=hosts.count) if hosts else None
 
 
 def record_markdown(record: dict[str, Any], heading: str = "##") -> list[str]:
@@ -200,6 +225,8 @@ def record_markdown(record: dict[str, Any], heading: str = "##") -> list[str]:
     and every table."""
     m = record["machine"]
     cpu = m.get("cpu_model") or m["processor"]
+    if m.get("cpu_flags") is not None:
+        cpu += f"; {' '.join(m['cpu_flags']) or 'no AVX2'}"
     extra = ""
     if m.get("torch_threads"):
         extra += f", {m['torch_threads']} torch thread" + ("s" if m["torch_threads"] != 1 else "")

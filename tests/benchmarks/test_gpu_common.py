@@ -169,3 +169,29 @@ def test_publish_writes_the_record_and_its_table_to_the_output_directory(bench, 
     assert "Some notes." in table
     assert "| side | tokens_per_s | peak_memory_gib |" in table
     assert "| forge | 1234 | None |" in table  # _record's cell format: large numbers without decimals
+
+
+def test_results_md_marks_a_section_measured_on_another_host(bench, tmp_path, monkeypatch):
+    """Issue 35: two hosts' results are never mixed silently. Each record carries its CPU and
+    matmul flags; RESULTS.md names the usual host and marks a section from another one."""
+    record = bench("_record")
+    monkeypatch.setattr(record, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(record, "HERE", tmp_path)
+    (tmp_path / "results").mkdir()
+
+    def write(name: str, cpu: str, flags: list[str]) -> None:
+        made = record.make_record(name, f"bench_{name}.py", [{"ratio": 1.0}])
+        made["machine"].update(cpu_model=cpu, cpus=2, cpu_flags=flags)
+        (tmp_path / "results" / f"{name}.json").write_text(json.dumps(made))
+
+    write("data", "AMD EPYC", ["avx2", "avx512_bf16"])
+    write("train", "AMD EPYC", ["avx2", "avx512_bf16"])
+    write("moe", "Intel Xeon", ["avx2", "amx_tile"])
+    record.write_results_md()
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "Most sections ran on AMD EPYC, 2 CPUs (avx2 avx512_bf16)" in text
+    moe = text.split("## moe")[1].split("## ")[0]
+    assert "**Measured on another host than the rest of this file: Intel Xeon, 2 CPUs (avx2 amx_tile).**" in moe
+    assert "another host" not in text.split("## train")[1]
+    assert "machine" in record.make_record("x", "y", [])
+    assert set(record.machine().get("cpu_flags", [])) <= set(record.MATMUL_FLAGS)
