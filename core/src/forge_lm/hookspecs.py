@@ -280,7 +280,8 @@ def forge_lm_register_model_transforms(register: Any) -> None:
     a slot, all before the optimizer is built; ``apply(model, context)`` changes the model in
     place, keeps parameter names, never changes ``context.config`` and leaves some parameter
     to train (one that freezes them all stops the run naming it, exit 4). Transforms that are
-    not parallelisms (freezing, LoRA, pruning) use the ``adaptation`` slot. See
+    not parallelisms (freezing, LoRA, pruning) use the ``adaptation`` slot; one that freezes
+    parameters for the first steps only calls :func:`forge_lm.model.freezing.freeze_until`. See
     docs/distributed.md.
     """
 

@@ -62,6 +62,7 @@ from forge_lm.checkpoint._state import (
 from forge_lm.checkpoint._tree import join, merge_rank_skeletons, restrict_to_rank, split, tensor_keys
 from forge_lm.distributed.reduce import any_rank, barrier, distributed, from_rank0, rank
 from forge_lm.errors import ForgeError
+from forge_lm.model.freezing import staged_as_saved
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -523,7 +524,9 @@ class CheckpointManager:
         with _single_process_quietly():
             dcp.load(wanted, storage_reader=reader, planner=TensorsOnlyPlanner(), no_dist=not distributed())
         full = join(skeleton, wanted)
-        set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"])
+        saved_state = full["optimizer"].get("state", {}) if isinstance(full["optimizer"], dict) else {}
+        with staged_as_saved(model, set(saved_state)):  # staged unfreezing: forge_lm.model.freezing
+            set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"])
         _check_finite(model)
         restore_rng(full["rng"])
         state = {"step": full["step"], **full["trainer"], "path": str(path), "settings_from_config": replaced}

@@ -8,8 +8,9 @@ Order of the slots (each transform registers into one; the core does not know wh
 Why this order: ``adaptation`` holds the transforms that are not parallelisms but change what
 trains (freezing parameters, adding LoRA adapters, pruning): they see the whole model, before
 any parallelism splits it. Every transform, this slot's included, runs before the optimizer is
-built, so the optimizer is given exactly the parameters that are trainable after all of them
-(a parameter frozen here is not in it). Under ``torchrun`` the model is still on the meta
+built, so the optimizer is given the parameters that are trainable after all of them (a
+parameter frozen here is not in it), and those frozen for the first steps only
+(:func:`forge_lm.model.freezing.freeze_until`: staged unfreezing). Under ``torchrun`` the model is still on the meta
 device: a parameter a transform adds gets its values when the model is initialised (the
 default rule for ``nn.Linear``, or its module's ``init_weights(init)``). Tensor parallelism
 replaces weights with DTensors sharded over the ``tp`` mesh, so it comes next; expert

@@ -57,6 +57,7 @@ from forge_lm.metrics.mfu import is_measured, mfu, remeasure_cpu_peak_with_sourc
 from forge_lm.model import build_model
 from forge_lm.model.capabilities import check_capabilities
 from forge_lm.model.flops import model_flops_per_token
+from forge_lm.model.freezing import follow_schedule, staged_parameters_trainable
 from forge_lm.model.init import materialize
 from forge_lm.model.linear import choose_auto as choose_auto_kernel
 from forge_lm.model.linear import kernel_in_use as linear_kernel_in_use
@@ -221,7 +222,8 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     applied = apply_model_transforms(model, TransformContext(config, dims, mesh, device, dtype), registry)
     if on_meta:
         materialize(model, device, config.train.seed)
-    optimizer = config.optimizer.build(model)
+    with staged_parameters_trainable(model):  # the optimizer knows what a transform unfreezes later
+        optimizer = config.optimizer.build(model)
     loss_fn = config.loss.build()
     if pipeline is not None:
         pipeline.finish(loss_fn)
@@ -387,6 +389,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
                 status = "interrupted"
                 raise
             while context.step < config.train.max_steps:
+                follow_schedule(model, context.step)  # staged unfreezing: what trains at this step
                 parts.guards.scheduler.check_rates(optimizer, context.step)  # not negative: no step uphill
                 lr = optimizer.param_groups[0]["lr"]
                 local_loss, step_norm, reports = _train_step(parts, batches, config, context.step + 1)

@@ -35,6 +35,7 @@ from forge_lm.config import structure_config, to_data
 from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed import is_main_process
 from forge_lm.errors import ConfigError, ForgeError
+from forge_lm.model.freezing import staged_parameters_trainable
 from forge_lm.plugins import PluginHookFailed, PluginManager, PluginStatus
 from forge_lm.train.run_dir import CONFIG_FILE, FIXED_ON_RESUME, differences
 
@@ -118,7 +119,10 @@ def restore_run(
             context.scheduler.load_state_dict(state["scheduler"])
             train_batches.load_state_dict(state["data"])
 
-    state = checkpoints.load(context.model, context.optimizer, restore)
+    # Staged parameters trainable while loading: the optimizer's state has a place for those that
+    # had started training when the checkpoint was written (forge_lm.model.freezing).
+    with staged_parameters_trainable(context.model):
+        state = checkpoints.load(context.model, context.optimizer, restore)
     if state is None:
         if at_start:
             _warn(f"'{context.run_dir}' has no checkpoint yet; starting from step 0")
