@@ -23,7 +23,7 @@ parameter whose ``requires_grad`` changes after sharding is not tested here).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -84,30 +84,21 @@ def follow_schedule(model: nn.Module, step: int) -> list[str]:
     return changed
 
 
-@contextlib.contextmanager
-def staged_parameters_trainable(model: nn.Module) -> Iterator[None]:
-    """Every staged parameter trainable inside the block (building the optimizer, loading a
-    checkpoint into it); as it was after."""
-    schedule = model.__dict__.get(_SCHEDULE)
-    if not schedule:
-        yield
-        return
-    parameters = dict(model.named_parameters())
-    before = {name: parameters[name].requires_grad for name in schedule}
-    for name in schedule:
-        parameters[name].requires_grad_(True)
-    try:
-        yield
-    finally:
-        for name, requires_grad in before.items():
-            parameters[name].requires_grad_(requires_grad)
+def staged_parameters_trainable(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Every staged parameter trainable inside the block (building the optimizer, reading a
+    checkpoint for it); as it was after."""
+    return _staged_requires_grad(model, lambda name: True)
 
 
-@contextlib.contextmanager
-def staged_as_saved(model: nn.Module, with_state: Collection[str]) -> Iterator[None]:
+def staged_as_saved(model: nn.Module, with_state: Collection[str]) -> contextlib.AbstractContextManager[None]:
     """Inside the block, each staged parameter trainable exactly when ``with_state`` (the names
     of the parameters a checkpoint's optimizer state holds) names it: torch's loader refuses a
     trainable parameter without saved state. As it was after."""
+    return _staged_requires_grad(model, lambda name: name in with_state)
+
+
+@contextlib.contextmanager
+def _staged_requires_grad(model: nn.Module, trains: Callable[[str], bool]) -> Iterator[None]:
     schedule = model.__dict__.get(_SCHEDULE)
     if not schedule:
         yield
@@ -115,7 +106,7 @@ def staged_as_saved(model: nn.Module, with_state: Collection[str]) -> Iterator[N
     parameters = dict(model.named_parameters())
     before = {name: parameters[name].requires_grad for name in schedule}
     for name in schedule:
-        parameters[name].requires_grad_(name in with_state)
+        parameters[name].requires_grad_(trains(name))
     try:
         yield
     finally:
