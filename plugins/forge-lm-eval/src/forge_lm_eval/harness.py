@@ -16,6 +16,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import handle_non_serializable, make_table
 
 from forge_lm.errors import ForgeError, did_you_mean
+from forge_lm_eval.data_files import find_data_files_beside_tasks
 from forge_lm_eval.lm import generation_settings
 from forge_lm_eval.safety import (
     describe_template_error,
@@ -29,6 +30,8 @@ from forge_lm_eval.safety import (
 # Python. Every template lm-eval renders in this process goes through a sandbox from here on,
 # before any task is loaded (forge_lm_eval.safety says how).
 sandbox_templates()
+# A task file's relative data files are looked for beside it, so the task runs from any directory.
+find_data_files_beside_tasks()
 
 TASK_FILE_SUFFIXES = (".yaml", ".yml")
 
