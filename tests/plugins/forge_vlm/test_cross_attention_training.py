@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from forge_lm.config import load_config
 from forge_lm.testing.distributed import metrics_by_step, torchrun
@@ -44,12 +45,44 @@ def test_the_debug_config_trains_from_the_cli_with_the_loss_falling(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, vlm_manager) -> dict[int, dict[str, float]]:
+def one_process_run(tmp_path_factory, vlm_manager) -> Path:
     """4 steps of batch 4 in one process, uninterrupted: what the others must match."""
     run = tmp_path_factory.mktemp("one_process") / "run"
     overrides = [*SMALL, "--train.batch_size=4", f"--train.output_dir={run}", "--train.max_steps=4"]
     train(load_config(DEBUG, overrides, vlm_manager.registry), vlm_manager)
-    return metrics_by_step(run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def one_process(one_process_run) -> dict[int, dict[str, float]]:
+    return metrics_by_step(one_process_run)
+
+
+def test_forge_generate_with_an_image_equals_full_forwards_by_hand(one_process_run, vlm_manager, tmp_path, capsys):
+    """`forge generate --image` on a cross_attention run: one marker for the image, before the
+    prompt; decoding with the cache (image states kept from the prefill) gives the tokens of full
+    forwards that each see the image."""
+    from PIL import Image
+
+    from forge_lm.cli._main import main
+    from forge_lm.train.inference import load_for_inference
+
+    Image.new("RGB", (20, 20), (0, 255, 0)).save(tmp_path / "green.png")
+    model, config, tokenizer = load_for_inference(one_process_run, vlm_manager)
+    prompt, inputs = model.image_prompt("ab", [str(tmp_path / "green.png")], tokenizer, config)
+    assert prompt == [259, *tokenizer.encode("ab")]  # the marker before the text
+    assert tuple(inputs["pixel_values"].shape) == (1, 3, 16, 16)
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            tokens.append(int(model(torch.tensor([tokens]), **inputs)[0, -1].argmax()))
+    code = main(
+        ["generate", str(one_process_run), "--image", str(tmp_path / "green.png"), "--prompt", "ab",
+         "--temperature=0", "--max-new-tokens=6"]
+    )  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out == "ab" + tokenizer.decode(tokens[len(prompt) :]) + "\n"
 
 
 def test_resume_continues_exactly(tmp_path, vlm_manager, one_process):

@@ -105,6 +105,22 @@ class CrossAttentionModel(nn.Module):
     def new_kv_cache(self, max_len: int | None = None) -> CrossAttentionCache:
         return CrossAttentionCache(max_len if max_len is not None else self.config.max_seq_len)
 
+    def image_prompt(self, text: str, images: Any, tokenizer: Any, config: Any) -> Any:
+        """``forge generate --image``'s prompt (:class:`forge_lm.components.PromptsWithImages`):
+        one marker per image where the prompt's ``<image>`` stands (before the text for one image
+        and no marker), each image one tile of the tower's size (:mod:`forge_vlm.prompt`)."""
+        from forge_vlm.prompt import image_prompt
+
+        return image_prompt(
+            text,
+            images,
+            tokenizer,
+            config,
+            image_token=self.image_token_id,
+            tokens_per_image=1,
+            image_size=self.config.vision.image_size,
+        )
+
     def cross_layers(self) -> list[GatedCrossAttention]:
         return [m for m in self.language.modules() if isinstance(m, GatedCrossAttention)]
 
