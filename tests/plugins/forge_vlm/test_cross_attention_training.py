@@ -42,6 +42,10 @@ def test_the_debug_config_trains_from_the_cli_with_the_loss_falling(tmp_path):
     metrics = metrics_by_step(run)
     first, last = metrics[1]["loss"], metrics[12]["loss"]
     assert last < first - 1.0, (first, last)  # 5.6 -> about 3 in 12 steps (0.34 after the config's 60)
+    # image tokens per second beside tokens per second: 17 ViT states per image, up to 3 images a row
+    rates = [metrics[step]["image_tokens_per_sec"] for step in range(2, 13)]
+    assert all(rate > 0 for rate in rates), rates
+    assert max(rates) < 3 * 17 / 64 * max(metrics[step]["tokens_per_sec"] for step in range(2, 13)) * 1.5
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,7 @@ class CrossAttentionModel(nn.Module):
         self.config = options
         self.vocab_size = vocab_size
         self.image_token_id = options.image_token(vocab_size)
+        self.image_tokens_seen = 0  # vision states trained on by this rank (the image_tokens_per_sec metric)
         dim = language.config.dim
         self.vit = options.tower == "vit"
         self.vision = VisionTower(options.vision) if self.vit else MllamaVisionTower(options.vision)
@@ -175,6 +176,8 @@ class CrossAttentionModel(nn.Module):
                 input_ids, pixel_values, image_mask, aspect_ratio_ids, aspect_ratio_mask
             )
             states = self._states(pixels, ratio_ids, ratio_mask)  # [B, images * tiles * patches, dim]
+            if self.training:  # the image_tokens_per_sec metric: the vision states of the real images
+                self.image_tokens_seen += int(image_mask.sum()) * (states.shape[1] // max(image_mask.shape[1], 1))
             visible = self._visible(input_ids, document_ids, image_mask, ratio_mask, cross_attention_mask)
             if cache is not None:
                 cache.cross = {}
