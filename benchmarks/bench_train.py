@@ -69,6 +69,10 @@ from forge_lm.train.builders import build_dataset
 # The larger models: label -> (dim, heads, divisor of --steps for their blocks), about 4x and
 # 16x the default model's parameters.
 GROWN = {"4x": (512, 8, 3), "16x": (1024, 16, 6)}
+# A tiny model (about 1 M parameters, batch 12 x 64 tokens, logging every step): where a fixed
+# cost per step that is noise at the default size would be most of a step (issue 35).
+TINY = ["--model.dim=128", "--model.n_heads=4", "--model.n_layers=5", "--train.batch_size=12", "--train.seq_len=64",
+        "--metrics.log_interval=1"]  # fmt: skip
 
 # Forge on the kernels the plain loop takes (nn.Linear's F.linear, SDPA's attention): the
 # difference left between the two is the framework's own overhead.
@@ -434,7 +438,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="train.device of both sides (default cpu)")
     parser.add_argument("--compile", action="store_true", help="add torch.compile rows (about a minute per model)")
     parser.add_argument(
-        "--sizes", nargs="*", default=["4x", "16x"], help="larger models to add (4x, 16x the parameters; none: omit)"
+        "--sizes",
+        nargs="*",
+        default=["tiny", "4x", "16x"],
+        help="other model sizes to add: tiny (about 1 M parameters, batch 12 x 64, logging every step), 4x, 16x "
+        "the parameters (none: omit)",
     )
     parser.add_argument("--no-bf16", action="store_true", help="leave out the bf16 autocast rows")
     parser.add_argument("--no-e2e", action="store_true", help="leave out the forge_lm.train.train() row")
@@ -553,6 +561,17 @@ def main() -> None:
             "forge fp32 mla", mla, args.steps, "forge", "fp32", "forge fp32",
             f"--model.attention.name=mla (forge-deepseek; {mla_params:.2f} M parameters against gqa's "
             f"{gqa_params:.2f} M)", onednn,
+        )  # fmt: skip
+    if "tiny" in args.sizes:  # as many steps as the default row: each is about 20x shorter
+        tiny = forge("fp32-tiny", ["--train.precision=fp32", *TINY])
+        params = sum(p.numel() for p in tiny.model.parameters()) / 1e6
+        add(
+            "forge fp32 tiny", tiny, args.steps, "forge", "fp32", "plain fp32 tiny",
+            f"{' '.join(TINY)} ({params:.2f} M parameters)", onednn,
+        )  # fmt: skip
+        add(
+            "plain fp32 tiny", PlainSide(tiny, tiny.fresh_batches(blocks * args.steps)), args.steps, "plain", "fp32",
+            "plain fp32 tiny", "the plain loop on that model (no logging: it prints nothing)", mkl, tiny.step_flops,
         )  # fmt: skip
     # Larger models: the same config with a wider model (about 4x and 16x the parameters), so
     # the overhead's growth with size shows. Fewer steps per block keep the rounds short.
@@ -726,6 +745,16 @@ def main() -> None:
             "meaning": "1.0 = Forge's loop costs nothing over a hand-written one on the same kernels",
         },
     ]
+    if "forge fp32 tiny" in medians:
+        headline.append(
+            {
+                "measure": "Forge / plain loop, tokens/s (fp32, tiny model: about 1 M parameters, batch 12 x 64, "
+                "logging every step)",
+                "value": medians["forge fp32 tiny"] / medians["plain fp32 tiny"],
+                "meaning": "target 1.0: the fixed cost per step (hooks, guards, metrics, the one host sync) is most of "
+                "a step at this size",
+            }
+        )
     for label in ("4x", "16x"):
         if f"forge fp32 {label}" in medians:
             headline.append(
