@@ -9,9 +9,9 @@ from typing import Any
 
 import attrs
 
-from forge_lm.config import ComponentConfig, LlamaOptions, component, structure_options
+from forge_lm.config import ComponentConfig, component, structure_options
 from forge_lm.validators import FieldError, non_negative, one_of, positive
-from forge_vlm.options import ViTOptions
+from forge_vlm.options import AroundALanguageModel, ViTOptions
 
 MLLAMA_ASPECT_RATIOS = ((1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (3, 1), (4, 1))
 
@@ -105,7 +105,7 @@ def _tower_options(value: Any, options: CrossAttentionOptions) -> Any:
 
 
 @attrs.frozen
-class CrossAttentionOptions:
+class CrossAttentionOptions(AroundALanguageModel):
     """``[model]`` with ``name = "cross_attention"``: a vision tower, a linear projector to the
     language model's width, and gated cross-attention layers among the blocks of any registered
     language family (``[model.language]``), whose ``vocab_size``, ``max_seq_len`` and
@@ -171,27 +171,6 @@ class CrossAttentionOptions:
     )
 
     @property
-    def language_options(self) -> Any:
-        chosen = self.language
-        if chosen.options is not None:
-            return chosen.options
-        if chosen.component is not None:
-            return chosen.component.options_class()
-        return LlamaOptions()
-
-    @property
-    def vocab_size(self) -> int | None:
-        return self.language_options.vocab_size
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.language_options.max_seq_len
-
-    @property
-    def init_std(self) -> float:
-        return self.language_options.init_std
-
-    @property
     def tokens_per_image(self) -> int:
         """Marker tokens per image in the text: one (the datasets read it)."""
         return 1
@@ -206,6 +185,3 @@ class CrossAttentionOptions:
     def tower_width(self) -> int:
         """Width of the tower's features (the projector's input)."""
         return self.vision.output_dim if self.tower == "mllama" else self.vision.width
-
-    def image_token(self, vocab_size: int) -> int:
-        return self.image_token_id if self.image_token_id is not None else vocab_size - 1

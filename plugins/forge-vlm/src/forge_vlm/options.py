@@ -107,8 +107,43 @@ class ViTOptions:
         return self.feature_layer % (self.depth + 1)
 
 
+class AroundALanguageModel:
+    """What the core and the datasets read from a vision-language family's options, taken from
+    its ``[model.language]`` (``language``) and its ``image_token_id``: the options of the
+    language family, its ``vocab_size``, ``max_seq_len`` and ``init_std``, and the image token
+    id in a vocabulary. Shared by llava's and cross_attention's options."""
+
+    language: ComponentConfig
+    image_token_id: int | None
+
+    @property
+    def language_options(self) -> Any:
+        chosen = self.language
+        if chosen.options is not None:
+            return chosen.options
+        if chosen.component is not None:
+            return chosen.component.options_class()
+        return LlamaOptions()
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.language_options.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.language_options.max_seq_len
+
+    @property
+    def init_std(self) -> float:
+        return self.language_options.init_std
+
+    def image_token(self, vocab_size: int) -> int:
+        """The image token id in a vocabulary of ``vocab_size`` ids (unset: the last one)."""
+        return self.image_token_id if self.image_token_id is not None else vocab_size - 1
+
+
 @attrs.frozen
-class LlavaOptions:
+class LlavaOptions(AroundALanguageModel):
     """``[model]`` with ``name = "llava"``: a vision tower, an MLP projector and any registered
     language family (``[model.language]``), whose ``vocab_size``, ``max_seq_len`` and
     ``init_std`` are the model's."""
@@ -137,33 +172,8 @@ class LlavaOptions:
     )
 
     @property
-    def language_options(self) -> Any:
-        chosen = self.language
-        if chosen.options is not None:
-            return chosen.options
-        if chosen.component is not None:
-            return chosen.component.options_class()
-        return LlamaOptions()
-
-    @property
-    def vocab_size(self) -> int | None:
-        return self.language_options.vocab_size
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.language_options.max_seq_len
-
-    @property
-    def init_std(self) -> float:
-        return self.language_options.init_std
-
-    @property
     def tokens_per_image(self) -> int:
         return self.vision.tokens_per_image
-
-    def image_token(self, vocab_size: int) -> int:
-        """The image token id in a vocabulary of ``vocab_size`` ids."""
-        return self.image_token_id if self.image_token_id is not None else vocab_size - 1
 
 
 @attrs.define
