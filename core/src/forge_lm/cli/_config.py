@@ -28,10 +28,44 @@ def add_arguments(parser) -> None:
         )
         add_config_argument(sub)
         add_plugin_switches(sub, after_command=True)
+        if action == "validate":
+            _add_simulation_arguments(sub)
     reference = actions.add_parser(
         REFERENCE, help=_REFERENCE_HELP, description=_REFERENCE_HELP[0].upper() + _REFERENCE_HELP[1:] + "."
     )
     add_plugin_switches(reference, after_command=True)
+
+
+def _add_simulation_arguments(parser) -> None:
+    """Validate a config for another machine from this one (a preset for an 8-GPU node here)."""
+    parser.add_argument(
+        "--world-size",
+        type=_positive(int),
+        metavar="N",
+        help="check the config as launched on N ranks (dp_shard = -1 takes them) instead of this launch's",
+    )
+    parser.add_argument(
+        "--device-memory-gib",
+        type=_positive(float),
+        metavar="GIB",
+        help="check the estimate per rank against GIB GiB on each device (a GPU unless [train] device = "
+        "'cpu') instead of this machine's free memory; no device is used here",
+    )
+
+
+def _positive(kind):
+    import argparse
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+        return value
+
+    return parse
 
 
 def run(args, overrides, plugins) -> int:
@@ -68,9 +102,10 @@ def run(args, overrides, plugins) -> int:
         from forge_lm.cli._status import working
 
         with working("estimating memory: loading torch, building the model on the meta device"):
-            from forge_lm.train.preflight import validation_report
+            from forge_lm.train.preflight import SimulatedLaunch, validation_report
 
-            report = validation_report(config, manager.registry)  # refuses a run that cannot fit in memory here
+            simulated = SimulatedLaunch(args.world_size, args.device_memory_gib)
+            report = validation_report(config, manager.registry, simulated)  # refuses a run that cannot fit
         print(f"{path or 'the default config'} is valid.")
         print(report)
     return 0

@@ -4,6 +4,10 @@ It resolves what a launch would (the tokenizer's vocabulary, the parallel degree
 ``dp_shard = -1`` taking this launch's ranks, the device and its precision), checks the
 degrees against the model, and reports the memory estimate of :mod:`forge_lm.model.memory`
 against this machine's memory, refusing what ``forge train`` would refuse.
+
+A :class:`SimulatedLaunch` checks a config for another machine from this one: the world size
+of its launch and the memory of one of its devices (``forge config validate --world-size 8
+--device-memory-gib 80``), so that a preset for an 8-GPU node is checked on a laptop's CPU.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ from typing import Any
 import attrs
 import torch
 
-from forge_lm.config import ForgeConfig
+from forge_lm.config import ForgeConfig, model_options
 from forge_lm.distributed.launch import detect_launch
 from forge_lm.distributed.mesh import ParallelDims
-from forge_lm.errors import ConfigError
+from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.model.capabilities import check_family_supports
 from forge_lm.model.memory import (
+    MemoryEstimate,
+    MemoryLimit,
     estimate_memory,
     format_bytes,
     memory_limit,
@@ -28,17 +34,47 @@ from forge_lm.model.memory import (
 )
 from forge_lm.train.device import autocast_dtype, resolve_device
 
+GIB = 2**30
 
-def validation_report(config: ForgeConfig, registry: Any) -> str:
+
+@attrs.frozen
+class SimulatedLaunch:
+    """The machine a config is meant for, where it is not this one: ``world_size`` ranks in its
+    launch (``dp_shard = -1`` takes what the other degrees leave of them), and
+    ``device_memory_gib`` GiB on each rank's device, a GPU unless ``[train] device = "cpu"``. A
+    field left None is this machine's (the launch's ranks; the device and its free memory)."""
+
+    world_size: int | None = None
+    device_memory_gib: float | None = None
+
+    def describe(self, launch_size: int, device: torch.device) -> str:
+        """``Simulated: 8 ranks (--world-size), 80 GiB per GPU (--device-memory-gib), no GPU used here.``"""
+        parts = []
+        if self.world_size is not None:
+            parts.append(f"{launch_size} rank{'s' if launch_size != 1 else ''} (--world-size)")
+        if self.device_memory_gib is not None:
+            parts.append(f"{self.device_memory_gib:g} GiB per {_device_word(device)} (--device-memory-gib)")
+            parts.append(f"no {_device_word(device)} used here")
+        return f"Simulated: {', '.join(parts)}."
+
+
+def _device_word(device: torch.device) -> str:
+    return "GPU" if device.type == "cuda" else "process"
+
+
+def validation_report(config: ForgeConfig, registry: Any, simulated: SimulatedLaunch | None = None) -> str:
     """For ``forge config validate``: the estimate, and the device it was checked against, as
     ``forge train`` would run the config here (``dp_shard = -1``: the ranks of this launch, one
-    outside ``torchrun``). Raises :class:`ConfigError` where ``forge train`` would refuse it."""
-    vocab_size = model_vocab_size(config, config.tokenizer.build())
+    outside ``torchrun``), or on the machine ``simulated`` describes. Raises
+    :class:`ConfigError` where ``forge train`` would refuse it."""
+    simulated = simulated or SimulatedLaunch()
+    vocab_size, vocab_note = _vocab_size(config, simulated)
+    world_size = simulated.world_size if simulated.world_size is not None else detect_launch().world_size
     section = config.distributed
     dp_shard = section.dp_shard
     if dp_shard == -1:
         fixed = section.dp_replicate * section.tp * section.pp * section.cp
-        dp_shard = max(1, detect_launch().world_size // fixed)
+        dp_shard = max(1, world_size // fixed)
     dims = ParallelDims(
         section.dp_replicate, dp_shard, section.tp, section.pp, section.ep, section.pp_schedule, cp=section.cp
     )
@@ -46,18 +82,69 @@ def validation_report(config: ForgeConfig, registry: Any) -> str:
     # dp_shard = -1 the launch picks a dp_shard that ep divides.
     attrs.evolve(dims, dp_shard=dp_shard * section.ep if section.dp_shard == -1 else dp_shard).check(config)
     check_family_supports(config, vocab_size, registry, dims)  # the layout against what the model declares
+    if simulated.device_memory_gib is not None:
+        return _simulated_report(config, registry, vocab_size, dims, simulated, world_size) + vocab_note
     try:
         device = resolve_device(config.train.device)
     except ConfigError as exc:  # the config may be meant for another machine
-        meant = torch.device("cuda" if config.train.device.startswith("cuda") else "cpu")
+        meant = _meant_device(config)
         autocast = autocast_dtype(config.train.precision, meant)
         estimate = estimate_memory(config, vocab_size, registry, dims, autocast, meant)
-        return f"estimate: {estimate.describe()}; not checked against a device here: {exc}"
+        return f"estimate: {estimate.describe()}; not checked against a device here: {exc}" + vocab_note
     autocast = autocast_dtype(config.train.precision, device)
-    limit = memory_limit(device, processes_on_host=processes_on_host(device))
+    # Ranks of a simulated launch on CPU share this host, as under torchrun --nproc-per-node.
+    sharing = simulated.world_size if simulated.world_size is not None else processes_on_host(device)
+    limit = memory_limit(device, processes_on_host=sharing if device.type == "cpu" else 1)
     estimate = estimate_memory(config, vocab_size, registry, dims, autocast, device)
+    suffix = (" " + simulated.describe(world_size, device) if simulated.world_size is not None else "") + vocab_note
+    return _checked(config, estimate, limit, f"the memory of {device} is unknown here") + suffix
+
+
+def _meant_device(config: ForgeConfig) -> torch.device:
+    """The kind of device the config asks for, without looking for it on this machine."""
+    return torch.device("cpu" if config.train.device == "cpu" else "cuda")
+
+
+def _vocab_size(config: ForgeConfig, simulated: SimulatedLaunch) -> tuple[int, str]:
+    """The model's vocabulary and a note for the report. A simulated launch is for another
+    machine, whose tokenizer file may not be here: where it cannot be read and ``[model]
+    vocab_size`` is set, the estimate takes that size and the report says the tokenizer was not
+    read. Otherwise the tokenizer is read, as ``forge train`` would."""
+    set_size = getattr(model_options(config), "vocab_size", None)
+    try:
+        tokenizer = config.tokenizer.build()
+    except ForgeError as error:
+        if simulated == SimulatedLaunch() or not isinstance(set_size, int):
+            raise
+        reason = " ".join(str(error).split())
+        return set_size, f" The tokenizer was not read here ({reason}); the estimate takes [model] vocab_size."
+    return model_vocab_size(config, tokenizer), ""
+
+
+def _simulated_report(
+    config: ForgeConfig, registry: Any, vocab_size: int, dims: ParallelDims, simulated: SimulatedLaunch, world: int
+) -> str:
+    """The estimate per device of the simulated machine against its given memory."""
+    device = _meant_device(config)
+    autocast = autocast_dtype(config.train.precision, device)
+    estimate = estimate_memory(config, vocab_size, registry, dims, autocast, device)
+    gib = simulated.device_memory_gib
+    limit = MemoryLimit(int(gib * GIB), f"({gib:g} GiB) per {_device_word(device)} given by --device-memory-gib")
+    note = simulated.describe(world, device)
+    try:
+        report = _checked(config, estimate, limit, "")
+    except ConfigError as refused:
+        short = format_bytes(estimate.total - limit.bytes)
+        raise ConfigError(f"{refused} {note[:-1]}: {short} short per {_device_word(device)}.") from None
+    spare = format_bytes(limit.bytes - estimate.total) if estimate.total <= limit.bytes else None
+    return report[:-1] + (f", {spare} to spare. " if spare else ". ") + note
+
+
+def _checked(config: ForgeConfig, estimate: MemoryEstimate, limit: MemoryLimit | None, unknown: str) -> str:
+    """The report of ``estimate`` against ``limit``; raises the refusal where it does not fit
+    and ``[train] memory_check`` is on."""
     if limit is None:
-        return f"estimate: {estimate.describe()}; the memory of {device} is unknown here."
+        return f"estimate: {estimate.describe()}; {unknown}."
     if estimate.total > limit.bytes:
         if config.train.memory_check:
             raise ConfigError(refusal(estimate, limit))
