@@ -116,7 +116,7 @@ def _vocab_size(config: ForgeConfig, simulated: SimulatedLaunch) -> tuple[int, s
     except ForgeError as error:
         if simulated == SimulatedLaunch() or not isinstance(set_size, int):
             raise
-        reason = " ".join(str(error).split())
+        reason = " ".join(str(error).split()).rstrip(".")
         return set_size, f" The tokenizer was not read here ({reason}); the estimate takes [model] vocab_size."
     return model_vocab_size(config, tokenizer), ""
 
