@@ -137,3 +137,10 @@ def test_forge_config_validate_takes_the_node_on_the_command_line(capsys):
     assert capsys.readouterr().err.startswith(
         "forge: error: argument --device-memory-gib: must be a number > 0, got -80"
     )
+
+
+def test_a_simulated_world_size_checks_the_degrees_product_as_a_launch_would(registry):
+    config = preset(registry, "llama3_8b.toml", "--distributed.dp_shard=4")
+    with pytest.raises(ConfigError, match=r"= 4, but 8 processes were launched.*\(Simulated: 8 ranks given by"):
+        validation_report(config, registry, NODE)
+    assert "weights sharded 4 ways" in validation_report(config, registry, SimulatedLaunch(4, 80))

@@ -69,18 +69,16 @@ def validation_report(config: ForgeConfig, registry: Any, simulated: SimulatedLa
     :class:`ConfigError` where ``forge train`` would refuse it."""
     simulated = simulated or SimulatedLaunch()
     vocab_size, vocab_note = _vocab_size(config, simulated)
-    world_size = simulated.world_size if simulated.world_size is not None else detect_launch().world_size
-    section = config.distributed
-    dp_shard = section.dp_shard
-    if dp_shard == -1:
-        fixed = section.dp_replicate * section.tp * section.pp * section.cp
-        dp_shard = max(1, world_size // fixed)
-    dims = ParallelDims(
-        section.dp_replicate, dp_shard, section.tp, section.pp, section.ep, section.pp_schedule, cp=section.cp
-    )
-    # The rules tying the degrees to the model and the batch, as a launch would check them; with
-    # dp_shard = -1 the launch picks a dp_shard that ep divides.
-    attrs.evolve(dims, dp_shard=dp_shard * section.ep if section.dp_shard == -1 else dp_shard).check(config)
+    if simulated.world_size is not None:
+        # A launch of that many ranks: every rule it checks, the degrees' product among them.
+        world_size = simulated.world_size
+        try:
+            dims = ParallelDims.resolve(config, world_size)
+        except ConfigError as error:  # its "launched" is the simulated launch: say so
+            raise ConfigError(f"{error} (Simulated: {world_size} ranks given by --world-size.)") from None
+    else:
+        world_size = detect_launch().world_size
+        dims = _degrees_for_this_launch(config, world_size)
     check_family_supports(config, vocab_size, registry, dims)  # the layout against what the model declares
     if simulated.device_memory_gib is not None:
         return _simulated_report(config, registry, vocab_size, dims, simulated, world_size) + vocab_note
@@ -98,6 +96,23 @@ def validation_report(config: ForgeConfig, registry: Any, simulated: SimulatedLa
     estimate = estimate_memory(config, vocab_size, registry, dims, autocast, device)
     suffix = (" " + simulated.describe(world_size, device) if simulated.world_size is not None else "") + vocab_note
     return _checked(config, estimate, limit, f"the memory of {device} is unknown here") + suffix
+
+
+def _degrees_for_this_launch(config: ForgeConfig, world_size: int) -> ParallelDims:
+    """The degrees on this launch's ranks, checked against the model and the batch but not
+    against the world size: a config validated outside torchrun is for a launch not made yet."""
+    section = config.distributed
+    dp_shard = section.dp_shard
+    if dp_shard == -1:
+        fixed = section.dp_replicate * section.tp * section.pp * section.cp
+        dp_shard = max(1, world_size // fixed)
+    dims = ParallelDims(
+        section.dp_replicate, dp_shard, section.tp, section.pp, section.ep, section.pp_schedule, cp=section.cp
+    )
+    # The rules tying the degrees to the model and the batch, as a launch would check them; with
+    # dp_shard = -1 the launch picks a dp_shard that ep divides.
+    attrs.evolve(dims, dp_shard=dp_shard * section.ep if section.dp_shard == -1 else dp_shard).check(config)
+    return dims
 
 
 def _meant_device(config: ForgeConfig) -> torch.device:
