@@ -1,4 +1,5 @@
-"""Write checkpoints, keep the newest few, and load the newest usable one.
+"""Write checkpoints, keep those the retention rules name (:mod:`._retention`), and load the
+newest usable one.
 
 A checkpoint is complete when its ``trainer_state.json`` exists: it is written (atomically)
 after every tensor file, and only then is ``checkpoints/latest`` switched to it (atomically),
@@ -32,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -51,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 
 from forge_lm import events
 from forge_lm.checkpoint._finite import count_nonfinite, device_of, first_nonfinite, sum_over_ranks
+from forge_lm.checkpoint._retention import steps_to_keep
 from forge_lm.checkpoint._safe import DamagedCheckpointError, SafeReader, TensorsOnlyPlanner, UnsafeCheckpointError
 from forge_lm.checkpoint._staging import StagingBuffers
 from forge_lm.checkpoint._state import (
@@ -68,6 +71,8 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 RUN_ID_FILE = "run_id"  # in the run directory: which run its checkpoints belong to
 INCOMPLETE = ".incomplete"  # the suffix of a cut save's directory, moved aside
+EVAL_METRICS = "eval_metrics.json"  # in a step directory: the evaluation's results at its step, for keep_best_n
+MAX_METRICS_BYTES = 1024 * 1024
 SAVE_IN_PROGRESS = "a save in progress"  # what a step directory without its trainer state is while its run trains
 _STEP_DIR = re.compile(r"step_([0-9]{1,15})")  # ASCII digits only: str.isdigit() accepts other scripts'
 _RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -116,13 +121,19 @@ def step_of(path: Path) -> int | None:
 class CheckpointManager:
     """Checkpoints of one run directory."""
 
-    def __init__(self, run_dir: str | Path, keep_last_n: int = 0, async_save: bool = False) -> None:
+    def __init__(
+        self, run_dir: str | Path, keep_last_n: int = 0, async_save: bool = False, retention: Any = None
+    ) -> None:
         """In a distributed run every rank constructs it (collectively) and calls save and load;
-        every rank writes its own shards, and rank 0 alone writes the shared files."""
+        every rank writes its own shards, and rank 0 alone writes the shared files. ``retention``
+        is the ``[checkpoint]`` section whose rules beside ``keep_last_n`` say what else to keep
+        (:mod:`._retention`); None keeps the newest ``keep_last_n`` only."""
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / CHECKPOINTS
         self.run_id = read_run_id(self.run_dir)  # None: a run made before run ids, or no run
         self.keep_last_n = keep_last_n
+        self.retention = retention
+        self._metrics: dict[int, dict[str, float]] = {}  # each evaluation's results, by step, until saved
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1) if async_save else None
         self._pending: concurrent.futures.Future | None = None
         self._staging = StagingBuffers()  # host copies for background writes, kept between saves
@@ -132,6 +143,11 @@ class CheckpointManager:
         self._group = dist.new_group(backend="gloo") if distributed() and async_save else None
 
     # -- saving ---------------------------------------------------------------------------------
+
+    def note_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        """The evaluation results at ``step``: saved beside checkpoint ``step`` (if one is written
+        at that step), where keep_best_n ranks them."""
+        self._metrics = {step: {k: float(v) for k, v in metrics.items() if _is_number(v)}}
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Checkpoint ``step``: model, optimizer, and ``state`` (plain data and tensors).
@@ -153,12 +169,13 @@ class CheckpointManager:
             skeleton = _gather_to_rank0(skeleton)
         if skeleton is not None and self.run_id is not None:
             skeleton["run_id"] = self.run_id
+        metrics = self._metrics.get(step)
         if self._executor is None:
-            self._write(step, tensors, skeleton, started)
+            self._write(step, tensors, skeleton, started, metrics)
             return
         # The previous background write has finished (wait() above): its buffers can be refilled.
         snapshot = self._staging.stage(tensors)
-        self._pending = self._executor.submit(self._write, step, snapshot, skeleton, started)
+        self._pending = self._executor.submit(self._write, step, snapshot, skeleton, started, metrics)
 
     def _check_before_writing(self, step: int, model: torch.nn.Module, model_state: dict[str, Any]) -> None:
         """Raise, on every rank alike and before anything is written, if checkpoint ``step`` must
@@ -222,7 +239,12 @@ class CheckpointManager:
         self._staging = StagingBuffers()  # the run's last save is written: its host copies can go
 
     def _write(
-        self, step: int, tensors: dict[str, torch.Tensor], skeleton: dict[str, Any] | None, started: float
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        skeleton: dict[str, Any] | None,
+        started: float,
+        metrics: dict[str, float] | None = None,
     ) -> None:
         """Write ``tensors`` (every rank its own) and, on rank 0, ``skeleton`` (None on the others)."""
         path = self.root / f"step_{step}"
@@ -239,6 +261,8 @@ class CheckpointManager:
                 dcp.save(tensors, checkpoint_id=str(path), no_dist=not distributed(), process_group=self._group)
             # dcp.save returns on rank 0 after every rank's shard and the metadata are written.
             if main:
+                if metrics:  # before the trainer state, which marks the checkpoint complete
+                    _write_atomically(path / EVAL_METRICS, json.dumps(metrics, indent=1) + "\n")
                 _write_atomically(path / TRAINER_STATE, json.dumps(skeleton, indent=1) + "\n")
                 _write_atomically(self.root / LATEST, path.name + "\n")
         except (OSError, CheckpointException, KeyboardInterrupt) as exc:  # DCP wraps a rank's error in its own
@@ -273,10 +297,24 @@ class CheckpointManager:
             return
         self._check_root()
         latest = self.latest()
-        # Another run's checkpoints (a shared folder) are neither counted nor removed.
-        complete = [p for p in self.complete() if p != latest and self._owner(p) in (None, self.run_id)]
-        for old in complete[: max(0, len(complete) - (self.keep_last_n - 1))]:
-            shutil.rmtree(old, ignore_errors=True)  # complete() lists plain directories only
+        # Another run's checkpoints (a shared folder) are neither counted nor removed. A save still
+        # being written has no trainer state yet: complete() does not list it.
+        ours = {step_of(p): p for p in self.complete() if self._owner(p) in (None, self.run_id)}
+        rules = self.retention
+        best_n = rules.keep_best_n if rules is not None else 0
+        keep = steps_to_keep(
+            ours,
+            keep_last_n=self.keep_last_n,
+            keep_every_n_steps=rules.keep_every_n_steps if rules is not None else 0,
+            ranges=rules.keep if rules is not None else (),
+            keep_best_n=best_n,
+            best_mode=rules.keep_best_mode if rules is not None else "min",
+            metric=_saved_metric(ours, rules.keep_best_metric) if best_n else None,
+            protected=[step_of(latest)] if latest is not None else [],
+        )
+        for step, old in ours.items():
+            if step not in keep:
+                shutil.rmtree(old, ignore_errors=True)  # complete() lists plain directories only
 
     def _check_root(self) -> None:
         """Refuse a ``checkpoints`` directory that is a link: saving, pruning and loading through
@@ -549,6 +587,27 @@ def _check_finite(model: torch.nn.Module) -> None:
         culprit = first_nonfinite(state)
         where = f"'{culprit}' holds" if culprit is not None else "another rank's weights hold"
         raise DamagedCheckpointError(f"its weights are not finite: {where} NaN or Inf")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _saved_metric(checkpoints: dict[int, Path], key: str) -> dict[int, float]:
+    """Each checkpoint's saved value of ``key``; one without (no file, unreadable, not a finite
+    number: the file is as untrusted as the rest of the checkpoint) is left out."""
+    values = {}
+    for step, path in checkpoints.items():
+        file = path / EVAL_METRICS
+        try:
+            if file.is_symlink() or not file.is_file() or file.stat().st_size > MAX_METRICS_BYTES:
+                continue
+            saved = json.loads(file.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            continue
+        if isinstance(saved, dict) and _is_number(saved.get(key)):
+            values[step] = float(saved[key])
+    return values
 
 
 def _cut_short(path: Path) -> bool:

@@ -38,6 +38,8 @@ def to_data(instance: Any) -> dict[str, Any]:
             out[field.name] = {"name": value.name, **to_data(value.options)}
         elif attrs.has(type(value)):
             out[field.name] = to_data(value)
+        elif isinstance(value, list) and value and all(attrs.has(type(item)) for item in value):
+            out[field.name] = [to_data(item) for item in value]  # an array of tables: each one's unset keys left out
         elif value is not None:
             out[field.name] = converter.unstructure(value)
     return out

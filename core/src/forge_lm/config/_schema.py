@@ -411,6 +411,27 @@ class EvalSection:
 
 
 @attrs.frozen
+class KeepRange:
+    """One retention rule by step range, ``[[checkpoint.keep]]``."""
+
+    every: int = attrs.field(validator=positive, metadata=_doc("Keep every step divisible by this, forever."))
+    until_step: int | None = attrs.field(
+        default=None,
+        validator=positive,
+        metadata=_doc("The last step this rule covers (the earlier rules' steps excepted); unset = no end."),
+    )
+
+
+def _ranges_in_order(_: Any, attribute: Any, rules: list[KeepRange]) -> None:
+    ends = [rule.until_step for rule in rules]
+    if None in ends[:-1]:
+        raise FieldError(attribute.name, "only the last [[checkpoint.keep]] rule may leave until_step unset")
+    bounded = [end for end in ends if end is not None]
+    if bounded != sorted(set(bounded)):
+        raise FieldError(attribute.name, f"the rules' until_step must rise from one rule to the next, got {ends}")
+
+
+@attrs.frozen
 class CheckpointSection:
     interval: int = attrs.field(
         default=0,
@@ -418,7 +439,44 @@ class CheckpointSection:
         metadata=_doc("Save every this many steps (and at the end); 0 at the end only."),
     )
     keep_last_n: int = attrs.field(
-        default=0, validator=non_negative, metadata=_doc("Keep only the newest n checkpoints; 0 keeps all.")
+        default=0,
+        validator=non_negative,
+        metadata=_doc(
+            "Keep the newest n checkpoints, and those the rules below keep; 0 keeps all. The checkpoint "
+            "'latest' names and one being written are never removed."
+        ),
+    )
+    keep_every_n_steps: int = attrs.field(
+        default=0,
+        validator=non_negative,
+        metadata=_doc("With keep_last_n: also keep every checkpoint whose step this divides, forever; 0 none."),
+    )
+    keep: list[KeepRange] = attrs.field(
+        factory=list,
+        validator=_ranges_in_order,
+        metadata=_doc(
+            "With keep_last_n: rules by step range, [[checkpoint.keep]] until_step = 10000, every = 1000, then "
+            "every = 5000: a step belongs to the first rule whose until_step is at or above it, and is kept "
+            "forever when that rule's every divides it."
+        ),
+    )
+    keep_best_n: int = attrs.field(
+        default=0,
+        validator=non_negative,
+        metadata=_doc(
+            "With keep_last_n: also keep the n checkpoints with the best keep_best_metric at their step; a "
+            "checkpoint saved without that metric (no evaluation at its step) is never one of them; on equal "
+            "values the newer step wins."
+        ),
+    )
+    keep_best_metric: str = attrs.field(
+        default="eval/loss",
+        metadata=_doc("The evaluation metric keep_best_n ranks by: eval/loss, eval/<set>/loss or an evaluator's key."),
+    )
+    keep_best_mode: str = attrs.field(
+        default="min",
+        validator=one_of("min", "max"),
+        metadata=_doc("'min': lower keep_best_metric is better; 'max': higher is."),
     )
     async_save: bool = attrs.field(
         default=False, metadata=_doc("Write checkpoints in the background while training goes on.")

@@ -353,7 +353,9 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
         cpu_linear_kernel_reason=parts.kernel_reason,
         cpu_memory=parts.cpu_memory,
     )
-    checkpoints = CheckpointManager(run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save)
+    checkpoints = CheckpointManager(
+        run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save, retention=config.checkpoint
+    )
     context = TrainContext(config, run_dir, model, optimizer, parts.scheduler, tokens_per_step=parts.tokens_per_step)
     note_built(context, parts.train_batches)  # the state shapes every save must keep (a resume demands them)
     # What a failed checkpoint write does, and a save refused because the weights are not finite.
@@ -434,7 +436,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
                         window_start, window_steps = time.perf_counter(), 0
 
                 if parts.evaluator and (step % config.eval.interval == 0 or last):
-                    _evaluate(parts, context, manager)
+                    checkpoints.note_metrics(step, _evaluate(parts, context, manager))  # for keep_best_n
                     watchdog.beat()
                     window_start = time.perf_counter()  # evaluation time is not training throughput
 
@@ -498,8 +500,9 @@ def _divides(interval: int, step: int) -> bool:
     return bool(interval) and step % interval == 0
 
 
-def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> None:
-    """Every eval set, then ``[eval] evaluators``, then the plugins' eval_end: one record at this step."""
+def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> dict[str, float]:
+    """Every eval set, then ``[eval] evaluators``, then the plugins' eval_end: one record at this
+    step, whose metrics are returned."""
     with _evaluation_mode(parts.model, parts.optimizer):
         loss_of = (
             parts.pipeline.eval_loss
@@ -517,6 +520,7 @@ def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> N
     finally:  # the evaluation happened: it is logged even when a plugin's eval_end failed
         _log(parts.backends, context.step, results)
         events.record("evaluation", metrics=results)
+    return results
 
 
 def _handle_bad_step(
