@@ -35,6 +35,7 @@ EVENT_TYPES: dict[str, str] = {
     "checkpoint_skipped": "a checkpoint was passed over when loading: checkpoint, reason",
     "checkpoint_failed": "a checkpoint save failed: reason, and action (what the run does about it)",
     "nonfinite_step": "a NaN/Inf loss or gradient: loss, grad_norm, action (skip, rollback, stop)",
+    "overflow": "fp16: gradients overflowed at this loss scale; the step is skipped: loss, grad_norm, scale, new_scale",
     "preemption": "a preemption signal was acted on: signal",
     "evaluation": "an evaluation finished: its metrics",
     "hang": "no optimizer step within resilience.hang_timeout: stacks (the file written), seconds",

@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from forge_lm.validators import FieldError, between, non_negative, one_of, positive
+from forge_lm.validators import FieldError, between, finite, non_negative, one_of, positive
 
 CATEGORY = "forge_lm.category"  # attrs field metadata: the component category of the field
 MANY = "forge_lm.many"  # attrs field metadata: the field selects a list of components
@@ -206,6 +206,38 @@ def _run_directory(instance: Any, attribute: Any, value: str) -> None:
         )
 
 
+def _above_one(instance: Any, attribute: Any, value: Any) -> None:
+    if not value > 1.0:
+        raise FieldError(attribute.name, f"must be greater than 1, got {value!r}")
+
+
+def _below_one(instance: Any, attribute: Any, value: Any) -> None:
+    if not 0.0 < value < 1.0:
+        raise FieldError(attribute.name, f"must be between 0 and 1 (exclusive), got {value!r}")
+
+
+@attrs.frozen
+class LossScaleSection:
+    """The dynamic loss scaler of ``precision = "fp16"`` (named as ``torch.amp.GradScaler`` names them)."""
+
+    init_scale: float = attrs.field(
+        default=65536.0, validator=[finite, positive], metadata=_doc("The loss scale of the first step.")
+    )
+    growth_factor: float = attrs.field(
+        default=2.0,
+        validator=[finite, _above_one],
+        metadata=_doc("The scale is multiplied by this after growth_interval steps without overflow."),
+    )
+    backoff_factor: float = attrs.field(
+        default=0.5,
+        validator=_below_one,
+        metadata=_doc("The scale is multiplied by this at an overflow (the step is skipped)."),
+    )
+    growth_interval: int = attrs.field(
+        default=2000, validator=positive, metadata=_doc("Steps in a row without overflow before the scale grows.")
+    )
+
+
 @attrs.frozen
 class TrainSection:
     output_dir: str = attrs.field(
@@ -236,8 +268,14 @@ class TrainSection:
     )
     precision: str = attrs.field(
         default="auto",
-        validator=one_of("auto", "fp32", "bf16"),
-        metadata=_doc("Autocast dtype; weights stay fp32. 'auto': bf16 on CUDA, fp32 on CPU."),
+        validator=one_of("auto", "fp32", "bf16", "fp16"),
+        metadata=_doc(
+            "Autocast dtype; weights stay fp32. 'auto': bf16 on CUDA, fp32 on CPU. 'fp16' scales the loss "
+            "dynamically ([train.loss_scale]) and skips a step whose gradients overflow."
+        ),
+    )
+    loss_scale: LossScaleSection = attrs.field(
+        factory=LossScaleSection, metadata=_doc("The dynamic loss scaler of precision = 'fp16'.")
     )
     compile: bool = attrs.field(
         default=False, metadata=_doc("torch.compile each transformer block (before FSDP2 wraps it).")
@@ -616,6 +654,14 @@ def check_cross_section(config: ForgeConfig) -> list[tuple[str, str]]:
                 "[train] seq_len",
                 f"{config.train.seq_len} exceeds [model] max_seq_len ({max_seq_len}); "
                 "lower seq_len or raise max_seq_len",
+            )
+        )
+    if config.train.precision == "fp16" and config.distributed.pp > 1:
+        problems.append(
+            (
+                "[train] precision",
+                "'fp16' is not supported with pipeline parallelism yet (the pipeline schedule runs the backward "
+                "itself and does not scale its loss); use 'bf16', or pp = 1",
             )
         )
     return problems

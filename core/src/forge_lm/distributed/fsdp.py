@@ -43,7 +43,7 @@ def _apply(model: nn.Module, context: TransformContext) -> None:
     if dims.cp > 1:  # parameters are sharded over the sequence-splitting ranks too (dp_replicate = 1 then)
         names = ("dp_shard_cp",)
     mesh = context.submesh(*names)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if context.dtype else None
+    policy = MixedPrecisionPolicy(param_dtype=context.dtype, reduce_dtype=torch.float32) if context.dtype else None
     common = {"mp_policy": policy} if policy is not None else {}
     # Under pipeline parallelism every microbatch would gather the weights again: keep them.
     reshard = dims.pp == 1

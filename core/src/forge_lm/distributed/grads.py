@@ -64,3 +64,10 @@ def _by_mesh(tensors: Iterable[torch.Tensor], grad: bool = True) -> dict[object,
         value = tensor.grad if grad else tensor
         groups.setdefault(value.device_mesh if isinstance(value, DTensor) else None, []).append(tensor)
     return groups
+
+
+def scale_grads(parameters: Iterable[torch.nn.Parameter], factor: float) -> None:
+    """Multiply every gradient of ``parameters`` by ``factor`` in place (the loss scaler's
+    unscale), one foreach call per mesh, as :func:`clip_grads` does."""
+    for group in _by_mesh(p for p in parameters if p.grad is not None).values():
+        torch._foreach_mul_([p.grad for p in group], factor)

@@ -59,7 +59,11 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype, or None for plain fp32. Weights always stay fp32 (master weights)."""
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
-    return torch.bfloat16 if precision == "bf16" else None
+    return AUTOCAST_DTYPES.get(precision)
+
+
+# fp16 needs a loss scaler beside autocast: forge_lm.train.loss_scale.
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def seed_everything(seed: int) -> None:

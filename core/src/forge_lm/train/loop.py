@@ -78,6 +78,7 @@ from forge_lm.train.device import autocast_dtype, batch_transfer, resolve_device
 from forge_lm.train.ending import Teardown, collective_timeout, end_run, stop_for_plugin, warn_about_unused_plugins
 from forge_lm.train.evaluate import EvalSets, build_eval_sets, run_autocast
 from forge_lm.train.guards import Guards
+from forge_lm.train.loss_scale import LossScaler, build_loss_scaler
 from forge_lm.train.profiling import StepProfiler
 from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree, check_startup
 from forge_lm.train.run_dir import RunDirectory
@@ -98,6 +99,7 @@ class TrainContext:
     step: int = 0  # optimizer steps taken
     tokens_seen: int = 0
     tokens_per_step: int = 0  # the global batch: every data-parallel rank's micro-batches
+    loss_scaler: LossScaler | None = None  # precision = "fp16" only; its state is checkpointed
 
 
 @attrs.frozen
@@ -137,6 +139,7 @@ class _Parts:
     context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in its sequence-splitting group
     cpu_memory: str = _NOT_A_CPU_RUN  # what [train] cpu_keep_freed_memory did (forge_lm.train.cpu_memory)
     guards: Guards | None = None  # the calls into the components, each failure named (forge_lm.train.guards)
+    loss_scaler: LossScaler | None = None  # precision = "fp16": the dynamic loss scale (forge_lm.train.loss_scale)
     kernel_reason: str = ""  # why the fp32 CPU linear products take the kernel they take
 
     @property
@@ -280,6 +283,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
         kernel_reason=kernel_reason,
         context_parallel=context_parallel,
         cpu_memory=cpu_memory,
+        loss_scaler=build_loss_scaler(config),
     )
 
 
@@ -356,7 +360,15 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
     checkpoints = CheckpointManager(
         run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save, retention=config.checkpoint
     )
-    context = TrainContext(config, run_dir, model, optimizer, parts.scheduler, tokens_per_step=parts.tokens_per_step)
+    context = TrainContext(
+        config,
+        run_dir,
+        model,
+        optimizer,
+        parts.scheduler,
+        tokens_per_step=parts.tokens_per_step,
+        loss_scaler=parts.loss_scaler,
+    )
     note_built(context, parts.train_batches)  # the state shapes every save must keep (a resume demands them)
     # What a failed checkpoint write does, and a save refused because the weights are not finite.
     rollback = partial(roll_back, checkpoints, context, parts.train_batches, manager)
@@ -400,8 +412,11 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
                 step_loss, finite, preempted = agree_on_step(local_loss, step_norm, stop_noted, parts.dims)
                 if not finite:
                     parts.guards.raise_device_findings()  # a component that poisoned the step on purpose
-                    bad_steps += 1  # the step's one wait for the device was the agreement above
                     loss, grad_norm = torch.stack([step_loss.double(), step_norm.double()]).tolist()
+                    if parts.loss_scaler is not None and parts.loss_scaler.overflowed(loss, grad_norm):
+                        _skip_overflow(context, manager)  # fp16: a smaller scale, not a bad step
+                        continue
+                    bad_steps += 1  # the step's one wait for the device was the agreement above
                     _handle_bad_step(context, checkpoints, parts.train_batches, manager, loss, grad_norm, bad_steps)
                     continue
                 bad_steps = 0
@@ -409,6 +424,8 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
                     optimizer.step()
                 with parts.guards.scheduler.calling("step()", context.step + 1):
                     parts.scheduler.step()
+                if parts.loss_scaler is not None:
+                    parts.loss_scaler.stepped()
                 context.step += 1
                 run.trained = True  # from the first step on, the run directory is kept whatever happens
                 context.tokens_seen += parts.tokens_per_step
@@ -422,6 +439,8 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
                 if logging:  # the numbers leave the device only on the steps that log them
                     loss, grad_norm = torch.stack([step_loss.double(), step_norm.double()]).tolist()
                     metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **reports.logged()}
+                    if parts.loss_scaler is not None:  # the scale the next step uses
+                        metrics["loss_scale"] = parts.loss_scaler.scale
                 try:
                     extra = manager.collect_metrics("forge_lm_step_end", context=context, step=step, metrics=metrics)
                     metrics.update(extra)
@@ -523,6 +542,12 @@ def _evaluate(parts: _Parts, context: TrainContext, manager: PluginManager) -> d
     return results
 
 
+def _skip_overflow(context: TrainContext, manager: PluginManager) -> None:
+    """fp16 gradients overflowed (the scaler backed off and recorded it): no optimizer or scheduler step."""
+    context.optimizer.zero_grad(set_to_none=True)
+    manager.call("forge_lm_step_skipped", context=context, step=context.step)  # as a skipped bad step
+
+
 def _handle_bad_step(
     context: TrainContext,
     checkpoints: CheckpointManager,
@@ -607,8 +632,12 @@ def _train_step(
                     loss = _checked_loss(value, config, training=True)
                 aux_total = reports.total()
                 full = loss if aux_total is None else loss + aux_total
+                if parts.loss_scaler is not None:  # fp16: small gradients stay representable
+                    full = parts.loss_scaler.scaled(full)
                 (full / accum).backward()
             loss_sum = loss_sum + reports.data_loss(loss).double()
+    if parts.loss_scaler is not None:  # clipping, the norm and the optimizer see true gradients
+        parts.loss_scaler.unscale(model.parameters())
     max_norm = config.train.grad_clip or math.inf  # inf: measure the norm without clipping
     grad_norm = clip_grads(model.parameters(), max_norm, parts.pp_group)
     return loss_sum / accum, grad_norm, reports

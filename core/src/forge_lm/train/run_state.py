@@ -89,6 +89,9 @@ def save_run(checkpoints: CheckpointManager, context: Any, train_batches: BatchL
         "data": data,
         "plugins": manager.save_states(context),
     }
+    scaler = getattr(context, "loss_scaler", None)
+    if scaler is not None:  # precision = "fp16": the scale goes on where it was
+        state["loss_scale"] = scaler.state_dict()
     checkpoints.save(context.step, context.model, context.optimizer, state)
 
 
@@ -109,6 +112,10 @@ def restore_run(
         if missing:
             raise ValueError(f"its trainer state lacks {', '.join(sorted(missing))}")
         _check_optimizer_settings(state, context.config)
+        scaler = getattr(context, "loss_scaler", None)  # precision = "fp16"
+        scaler_state = None  # absent: a checkpoint of a bf16/fp32 run; the scale starts at init_scale
+        if scaler is not None and "loss_scale" in state:
+            scaler_state = scaler.checked_state(state["loss_scale"])  # before anything is loaded
         if "scheduler" in state:  # absent in an imported model's step 0: schedule and data start fresh
             with _naming(context, "scheduler"):
                 check_like(
@@ -118,6 +125,8 @@ def restore_run(
                 check_like(state.get("data"), train_batches.state_dict(), "the data position")
             context.scheduler.load_state_dict(state["scheduler"])
             train_batches.load_state_dict(state["data"])
+        if scaler_state is not None:
+            scaler.load_state_dict(scaler_state)
 
     # Staged parameters trainable while loading: the optimizer's state has a place for those that
     # had started training when the checkpoint was written (forge_lm.model.freezing).
