@@ -75,6 +75,11 @@ def _section(field: attrs.Attribute) -> list[str]:
     if section_class.__doc__:
         lines.append(inspect.cleandoc(section_class.__doc__).split("\n\n")[0].replace("\n", " ") + "\n")
     lines.extend(_options_table(section_class, prefix=name))
+    for inner in attrs.fields(section_class):  # a table of its own inside the section ([train.loss_scale])
+        nested = _attrs_class(inner) if CATEGORY not in inner.metadata else None
+        if nested is not None:
+            lines.append(f"`[{name}.{inner.name}]`, a table of its own inside this one:\n")
+            lines.extend(_options_table(nested, prefix=f"{name}.{inner.name}"))
     return lines
 
 
