@@ -13,7 +13,7 @@ from forge_lm.plugins import PluginManager, PluginSettings, core_version
 CORE = f"forge-lm {core_version()}"
 TRAIN_KEYS = (
     "Valid keys: 'activation_checkpointing', 'batch_size', 'compile', 'cpu_keep_freed_memory', 'cpu_linear_kernel', "
-    "'device', 'grad_accum_steps', 'grad_clip', 'max_steps', 'memory_check', 'output_dir', 'precision', 'seed', "
+    "'device', 'grad_accum_steps', 'grad_clip', 'loss_scale', 'max_steps', 'memory_check', 'output_dir', 'precision', 'seed', "
     "'seq_len'"
 )
 
@@ -113,7 +113,7 @@ def test_a_misspelt_name_key_of_a_component_section_suggests_name(error):
         (None, ("--train.batch_size=-8",), "[train] batch_size: must be > 0, got -8."),
         (None, ("--metrics.log_interval=0",), "[metrics] log_interval: must be > 0, got 0."),
         (None, ("--metrics.peak_flops=0",), "[metrics] peak_flops: must be > 0, got 0.0."),
-        (None, ("--train.precision=fp16",), "[train] precision: must be one of 'auto', 'fp32', 'bf16', got 'fp16'."),
+        (None, ("--train.precision=fp8",), "[train] precision: must be one of 'auto', 'fp32', 'bf16', 'fp16', got 'fp8'."),
         (None, ("--train.grad_clip=-1",), "[train] grad_clip: must be >= 0, got -1.0."),
         (None, ("--train.grad_accum_steps=0",), "[train] grad_accum_steps: must be > 0, got 0."),
         (None, ("--model.norm=batchnorm",), "[model] norm: must be one of 'rmsnorm', 'layernorm', got 'batchnorm'."),
