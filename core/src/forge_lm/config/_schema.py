@@ -519,6 +519,14 @@ class CheckpointSection:
     async_save: bool = attrs.field(
         default=False, metadata=_doc("Write checkpoints in the background while training goes on.")
     )
+    init_from: str | None = attrs.field(
+        default=None,
+        metadata=_doc(
+            "Start a new run from these weights: a run directory, one of its checkpoints/step_<N> or a Hugging "
+            "Face model directory (model only: the optimizer, schedule and data position start fresh; every "
+            "shape must be [model]'s). A run with a checkpoint of its own resumes from it instead."
+        ),
+    )
     max_failed_saves: int = attrs.field(
         default=3,
         validator=positive,

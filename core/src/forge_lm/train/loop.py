@@ -78,6 +78,7 @@ from forge_lm.train.device import autocast_dtype, batch_transfer, resolve_device
 from forge_lm.train.ending import Teardown, collective_timeout, end_run, stop_for_plugin, warn_about_unused_plugins
 from forge_lm.train.evaluate import EvalSets, build_eval_sets, run_autocast
 from forge_lm.train.guards import Guards
+from forge_lm.train.init_from import load_initial_weights, read_initial_weights
 from forge_lm.train.loss_scale import LossScaler, build_loss_scaler
 from forge_lm.train.profiling import StepProfiler
 from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree, check_startup
@@ -342,6 +343,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
     if is_main_process():
         warn_about_unused_plugins(manager)
     check_startup()  # a preemption signal while building: stop before anything is written
+    initial = read_initial_weights(config, model, manager)  # [checkpoint] init_from: refused before anything is written
     # Only now, with everything built, is the run directory locked and written (or found, to
     # resume): a failed start leaves nothing behind.
     run_dir, resuming = on_main_process(lambda: run.open(config, manager))
@@ -381,8 +383,13 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
     try:
         if resuming:  # before any backend starts: plugins get their state back first (a tracker's run id)
             watchdog.doing("resuming from the newest checkpoint")
-            restore_run(checkpoints, context, parts.train_batches, manager)
+            restored = restore_run(checkpoints, context, parts.train_batches, manager)
             resumed_at = context.step
+        if initial is not None and not (resuming and restored):  # a run that starts at step 0
+            load_initial_weights(model, initial)
+            if is_main_process():
+                print(f"forge: starting from the weights of '{config.checkpoint.init_from}'", file=sys.stderr)
+        initial = None  # the source's copy of the weights is not needed any more
         watchdog.doing("the metrics backends' start")
         for backend in backends:  # guarded: a backend that fails is turned off with a warning
             backend.start(to_data(config), manager.manifest())
