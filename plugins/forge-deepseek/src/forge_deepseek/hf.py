@@ -41,9 +41,8 @@ from torch import nn
 
 from forge_deepseek.hf_names import MLA_NAMES, mla_from_hf
 from forge_deepseek.mla import MultiHeadLatentAttention
+from forge_lm.api import HFConfigReader, SwiGLU, swiglu_hidden
 from forge_lm.errors import ForgeError
-from forge_lm.model.hf_fields import HFConfigReader
-from forge_lm.model.swiglu import SwiGLU, swiglu_hidden
 from forge_moe.layer import MoELayer
 from forge_moe.routers import SigmoidTopKRouter
 

@@ -32,15 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
-from forge_lm.model.attention import check_flex_backward, eager_attention, flex_function
-from forge_lm.model.linear import Linear
-from forge_lm.model.norms import RMSNorm
-from forge_lm.model.rope import apply_rope
+from forge_lm.api import Linear, RMSNorm, apply_rope, check_flex_backward, eager_attention, flex_function
 
 if TYPE_CHECKING:
     from forge_deepseek.plugin import MLAOptions
+    from forge_lm.api import KVCache
     from forge_lm.components import AttentionSpec, Initializer
-    from forge_lm.model.kv_cache import KVCache
 
 
 class MultiHeadLatentAttention(nn.Module):

@@ -24,11 +24,19 @@ from torch import nn
 
 from forge_deepseek.mla import MultiHeadLatentAttention
 from forge_deepseek.mtp import MTPModule, mtp_targets, shifted, token_cross_entropy
+from forge_lm.api import (
+    Block,
+    KVCache,
+    Transformer,
+    attention_mask,
+    attention_spec,
+    build_layers,
+    collecting_aux,
+    compute_dtype,
+    report_aux_loss,
+    report_metric,
+)
 from forge_lm.errors import ForgeError
-from forge_lm.losses.aux import collecting, report_aux_loss, report_metric
-from forge_lm.model.attention import attention_mask, compute_dtype
-from forge_lm.model.kv_cache import KVCache
-from forge_lm.model.transformer import Block, Transformer, attention_spec, build_layers
 
 
 class DeepseekV3(Transformer):
@@ -65,7 +73,7 @@ class DeepseekV3(Transformer):
         so counted once among the parameters but multiplied ``1 + mtp_depth`` times), plus the
         attention products of every block, the MTP blocks' included: ``6 * H * (d_qk + d_v) * T``
         per block (scores and weighted sum, forward and backward; no causal halving, as the core)."""
-        from forge_lm.model.flops import active_parameter_count
+        from forge_lm.api import active_parameter_count
 
         flops = 6.0 * active_parameter_count(self)
         flops += 6.0 * len(self.mtp) * self.config.dim * self.vocab_size
@@ -106,7 +114,7 @@ class DeepseekV3(Transformer):
     def _predicts_ahead(self, kv_cache: KVCache | None, positions: torch.Tensor | None) -> bool:
         """Whether this forward computes the MTP loss: a training step with MTP modules, over
         whole sequences (no cache, no context-parallel slice)."""
-        if not len(self.mtp) or not self.training or not collecting():
+        if not len(self.mtp) or not self.training or not collecting_aux():
             return False
         return kv_cache is None and positions is None and self.output is not None and self.tok_embeddings is not None
 

@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge_lm.model.linear import Linear
-from forge_lm.model.norms import RMSNorm
+from forge_lm.api import Linear, RMSNorm
 
 if TYPE_CHECKING:
     from forge_lm.components import Initializer

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from forge_lm import hookimpl
-from forge_lm.config import ComponentConfig, LlamaOptions, component
+from forge_lm.api import ComponentConfig, LlamaOptions, component
 from forge_lm.errors import ConfigError
 from forge_lm.validators import FieldError, non_negative, positive
 

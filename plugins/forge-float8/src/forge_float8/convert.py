@@ -24,10 +24,9 @@ import torch
 from torch import nn
 
 from forge_float8.plugin import Float8Options
-from forge_lm.distributed import ModelTransform, TransformContext
-from forge_lm.distributed.launch import is_main_process
+from forge_lm.api import Linear as ForgeLinear
+from forge_lm.api import ModelTransform, TransformContext, is_main_process
 from forge_lm.errors import ConfigError
-from forge_lm.model.linear import Linear as ForgeLinear
 
 HEAD = "output"  # the output head: its logits feed the loss directly (DeepSeek-V3 kept it in bf16 too)
 MULTIPLE = 16  # torch._scaled_mm needs both sizes of the weight to be multiples of 16

@@ -34,9 +34,8 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import nn
 
+from forge_lm.api import KVCache, sampling_probs
 from forge_lm.errors import ForgeError
-from forge_lm.model.generate import sampling_probs
-from forge_lm.model.kv_cache import KVCache
 
 # What lm-eval's Hugging Face backend generates at most when a task sets no max_gen_toks.
 DEFAULT_MAX_GEN_TOKS = 256

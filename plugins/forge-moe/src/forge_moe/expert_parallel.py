@@ -35,8 +35,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from forge_lm.config import model_options
-from forge_lm.distributed import ModelTransform, TransformContext
+from forge_lm.api import ModelTransform, TransformContext, model_options
 from forge_lm.errors import ConfigError
 from forge_moe.plugin import MoEOptions, check_expert_parallel
 

@@ -29,9 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
-from forge_lm import events
-from forge_lm.model.linear import kernel_in_use as linear_kernel_in_use
-from forge_lm.model.linear import linear, matmul_nt
+from forge_lm.api import linear, linear_kernel_in_use, matmul_nt, record_event
 
 KERNELS = ("auto", "grouped_mm", "padded", "loop")
 
@@ -143,7 +141,7 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype, dim: int, hidden: int
 
 def _announce(device_type: str, dtype: torch.dtype, dim: int, hidden: int, kernel: str, why: str) -> None:
     where = f"{device_type}, {str(dtype).removeprefix('torch.')}, dim {dim}, hidden {hidden}"
-    events.record(
+    record_event(
         "forge-moe/expert_kernel", kernel=kernel, device=device_type, dtype=str(dtype), dim=dim, hidden=hidden, why=why
     )
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:

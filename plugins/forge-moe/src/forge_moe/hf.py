@@ -30,17 +30,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from forge_lm.errors import ForgeError
-from forge_lm.model.hf import (
+from forge_lm.api import (
     QWEN3_ATTENTION_FIELDS,
+    HFConfigReader,
+    SwiGLU,
     decoder_config_fields,
     qwen3_attention_problems,
     rename_from_hf,
     rename_to_hf,
+    swiglu_hidden,
     swiglu_options_for,
 )
-from forge_lm.model.hf_fields import HFConfigReader
-from forge_lm.model.swiglu import SwiGLU, swiglu_hidden
+from forge_lm.errors import ForgeError
 from forge_moe.layer import MoELayer
 from forge_moe.routers import SoftmaxTopKRouter
 

@@ -21,10 +21,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from forge_lm.api import (
+    COMPONENT_ATTRIBUTE,
+    ComponentFailed,
+    SwiGLU,
+    mark_component,
+    report_aux_loss,
+    report_metric,
+    swiglu_hidden,
+)
 from forge_lm.errors import PluginError
-from forge_lm.losses.aux import report_aux_loss, report_metric
-from forge_lm.model.swiglu import SwiGLU, swiglu_hidden
-from forge_lm.train.guards import COMPONENT_ATTRIBUTE, ComponentFailed, mark
 from forge_moe.experts import RoutedTokens, capacity, combine, dispatch, expert_swiglu, routed_experts
 from forge_moe.routers import Routing, recomputing
 
@@ -351,7 +357,7 @@ _FAULTS = (
 
 @functools.cache
 def _registry() -> Any:
-    from forge_lm.plugins import PluginManager
+    from forge_lm.api import PluginManager
 
     return PluginManager().registry
 
@@ -370,7 +376,7 @@ def build_router(chosen: Any, dim: int, n_experts: int, top_k: int) -> nn.Module
             f"router '{chosen.name}' returned {type(router).__name__}, not a torch.nn.Module; a router factory "
             "takes (options, dim, n_experts, top_k) and returns a module mapping [batch, seq, dim] to a Routing."
         )
-    return mark(router, component)  # a failure in its forward, or in what it returns, names it
+    return mark_component(router, component)  # a failure in its forward, or in what it returns, names it
 
 
 def expert_hidden(options: Any, dim: int) -> int:

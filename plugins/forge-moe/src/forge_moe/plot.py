@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
-from forge_lm.metrics.plot_panels import PlotPanel
+from forge_lm.api import PlotPanel
 
 LAYER_KEY = re.compile(r"moe/layer(\d+)/(load_max|load_min|load_cv|drop_fraction)")
 BALANCE = ("load_max", "load_min", "load_cv")  # drawn in this order within a layer

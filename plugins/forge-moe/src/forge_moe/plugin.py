@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from forge_lm import hookimpl
-from forge_lm.config import ComponentConfig, component, model_options
+from forge_lm.api import ComponentConfig, component, model_options
 from forge_lm.errors import ConfigError
 from forge_lm.validators import FieldError, non_negative, one_of, positive
 
@@ -211,7 +211,7 @@ def forge_lm_hf_export(model, config):
     layer = _built_moe_layers()
     if layer is None or not any(isinstance(m, layer.MoELayer) for m in model.modules()):
         return None
-    from forge_lm.model import Transformer
+    from forge_lm.api import Transformer
 
     if type(model) is not Transformer:  # another family's model (a subclass included) converts itself
         return None

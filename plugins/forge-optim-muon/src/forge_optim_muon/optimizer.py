@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from forge_lm.metrics.mfu import cpu_multiplies_bf16
+from forge_lm.api import cpu_multiplies_bf16
 
 QUINTIC = (3.4445, -4.7750, 2.0315)
 GATHER_BUCKET_MB = 512.0  # default bound on the whole matrices gathered at once (MiB)

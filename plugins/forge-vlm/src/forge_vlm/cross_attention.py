@@ -30,11 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forge_lm.api import Linear, RMSNorm, SwiGLU, repeat_kv
 from forge_lm.errors import ForgeError
-from forge_lm.model.attention import repeat_kv
-from forge_lm.model.linear import Linear
-from forge_lm.model.norms import RMSNorm
-from forge_lm.model.swiglu import SwiGLU
 
 if TYPE_CHECKING:
     from forge_lm.components import Initializer

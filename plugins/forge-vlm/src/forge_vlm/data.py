@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from forge_lm import events
+from forge_lm.api import record_event
 from forge_lm.components import IGNORE_INDEX, DataContext
 from forge_lm.errors import ConfigError, ForgeError
 from forge_vlm.options import ImageOptions, ImageTextOptions, SyntheticImageTextOptions
@@ -185,7 +185,7 @@ class PackedImageText(torch.utils.data.IterableDataset):
                 "each one a 'vlm/image_skipped' event).",
                 file=sys.stderr,
             )
-        events.record("vlm/image_skipped", where=where, reason=why, count=self.skipped_images)
+        record_event("vlm/image_skipped", where=where, reason=why, count=self.skipped_images)
 
 
 def normalise(rgb: torch.Tensor, options: ImageOptions) -> torch.Tensor:
@@ -268,7 +268,7 @@ class ImageText(PackedImageText):
     """``image_text``: JSON-lines records ``{"image": path or [paths], "text": str}``."""
 
     def __init__(self, options: ImageTextOptions, context: DataContext) -> None:
-        from forge_lm.data.packing import check_tokenizer
+        from forge_lm.api import check_tokenizer
 
         self.file = Path(options.path)
         if not self.file.is_file():

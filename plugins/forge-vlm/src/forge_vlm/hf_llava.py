@@ -20,8 +20,8 @@ from typing import Any
 import attrs
 import torch
 
+from forge_lm.api import llama_export, llama_import
 from forge_lm.errors import ForgeError
-from forge_lm.model import hf as core_hf
 from forge_vlm.vision import hf_vision_state, options_from_hf_vision
 
 _ACTIVATIONS = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -63,7 +63,7 @@ def from_llava(hf_config: dict[str, Any], state: dict[str, torch.Tensor]) -> tup
     text_state = {"model." + name[len(text_prefix) :]: t for name, t in state.items() if name.startswith(text_prefix)}
     if head:
         text_state["lm_head.weight"] = state[head[0]]
-    text_table, language_state = core_hf.llama_import({**text, "model_type": "llama"}, text_state)
+    text_table, language_state = llama_import({**text, "model_type": "llama"}, text_state)
 
     vision_prefix = _prefix_before(state, "embeddings.patch_embedding.weight", "vision towers")
     vision_state = hf_vision_state(state, vision_prefix, options)
@@ -99,7 +99,7 @@ def to_llava(model: Any, eos_id: int | None = None) -> tuple[dict[str, Any], dic
             "[model.vision] positions = 'rope2d' has no Hugging Face Llava equivalent (CLIP and SigLIP towers learn "
             "their positions); keep this model in Forge's format."
         )
-    answer = core_hf.llama_export(model.language, model.language.config)
+    answer = llama_export(model.language, model.language.config)
     if answer is None:
         raise ForgeError(
             f"the llava's language model ({type(model.language).__name__}, [model.language] name = "

@@ -142,9 +142,7 @@ def _language_layers(model: Any) -> list[tuple[str, str]]:
 
 
 def _export_problems(model: Any) -> list[str]:
-    from forge_lm.model.attention import Attention
-    from forge_lm.model.swiglu import SwiGLU
-    from forge_lm.model.transformer import Transformer
+    from forge_lm.api import Attention, SwiGLU, Transformer
 
     problems = []
     if model.config.tower != "mllama":
@@ -242,8 +240,7 @@ def _field(table: dict[str, Any], key: str, where: str) -> Any:
 
 def mllama_table(hf_config: dict[str, Any]) -> dict[str, Any]:
     """The ``[model]`` table (``name = "cross_attention"``) of an Mllama ``config.json``."""
-    from forge_lm.config import to_data
-    from forge_lm.model.hf import swiglu_options_for
+    from forge_lm.api import swiglu_options_for, to_data
 
     text, vision = hf_config.get("text_config") or {}, hf_config.get("vision_config") or {}
     if not isinstance(text, dict) or not isinstance(vision, dict):

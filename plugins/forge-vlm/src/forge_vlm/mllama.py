@@ -34,11 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from forge_lm.api import KVCache, Linear, swiglu_hidden
 from forge_lm.components import ModelContext, RunsFromEmbeddings
 from forge_lm.errors import ForgeError
-from forge_lm.model.kv_cache import KVCache
-from forge_lm.model.linear import Linear
-from forge_lm.model.swiglu import swiglu_hidden
 from forge_vlm.cross_attention import GatedCrossAttention, join_cross_attention, marker_visibility, placement
 from forge_vlm.mllama_options import CrossAttentionOptions
 from forge_vlm.mllama_vision import MllamaVisionTower

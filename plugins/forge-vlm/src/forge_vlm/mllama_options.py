@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from forge_lm.config import ComponentConfig, component, structure_options
+from forge_lm.api import ComponentConfig, component, structure_options
 from forge_lm.validators import FieldError, non_negative, one_of, positive
 from forge_vlm.options import AroundALanguageModel, ViTOptions
 

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from forge_lm.api import Linear
 from forge_lm.errors import ForgeError
-from forge_lm.model.linear import Linear
 
 if TYPE_CHECKING:
     from forge_lm.components import Initializer

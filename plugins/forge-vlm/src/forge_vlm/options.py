@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from forge_lm.config import ComponentConfig, LlamaOptions, component
+from forge_lm.api import ComponentConfig, LlamaOptions, component
 from forge_lm.validators import FieldError, non_negative, one_of, positive
 
 ACTIVATIONS = ("quick_gelu", "gelu_tanh", "gelu")
