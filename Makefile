@@ -35,9 +35,13 @@ demo: setup
 test: setup lint
 	$(PY) -m pytest
 
+# ruff, then import-linter's contracts ([tool.importlinter] in pyproject.toml: the core imports no
+# plugin, plugins import only forge_lm's public modules, the core's layers). The example plugin is
+# not installed, so its source directory is put on the path for the analysis.
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	PYTHONPATH=examples/forge-example-plugin/src $(VENV)/bin/lint-imports
 
 format: setup
 	$(PY) -m ruff check --fix .

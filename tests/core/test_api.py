@@ -94,3 +94,18 @@ def test_the_check_finds_an_internal_import(tmp_path):
     source = tmp_path / "plugin.py"
     source.write_text("from forge_lm.model.linear import Linear\nfrom forge_lm import events, hookimpl\n")
     assert _internal_imports(source, tmp_path) == ["plugin.py:1: forge_lm.model.linear", "plugin.py:2: forge_lm.events"]
+
+
+def test_the_import_contract_forbids_every_core_module_but_the_public_ones():
+    """pyproject.toml's import-linter contract lists the forbidden modules by name: a module added
+    to the core is forbidden to plugins unless it is made public here and there."""
+    import tomllib
+
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in contracts if c["name"] == "Plugins import only forge_lm's public modules"]
+    package = Path(forge_lm.__file__).parent
+    submodules = {f"forge_lm.{path.stem}" for path in package.glob("*.py") if path.stem != "__init__"}
+    submodules |= {f"forge_lm.{path.parent.name}" for path in package.glob("*/__init__.py")}
+    assert set(contract["forbidden_modules"]) == submodules - set(PUBLIC)
+    plugins = {name.replace("-", "_") for name in FIRST_PARTY}
+    assert set(contract["source_modules"]) == plugins | {"forge_example_plugin"}
