@@ -13,8 +13,8 @@ from forge_lm.plugins import PluginManager, PluginSettings, core_version
 CORE = f"forge-lm {core_version()}"
 TRAIN_KEYS = (
     "Valid keys: 'activation_checkpointing', 'batch_size', 'compile', 'cpu_keep_freed_memory', 'cpu_linear_kernel', "
-    "'device', 'grad_accum_steps', 'grad_clip', 'loss_scale', 'max_steps', 'memory_check', 'output_dir', 'precision', 'seed', "
-    "'seq_len'"
+    "'device', 'grad_accum_steps', 'grad_clip', 'loss_scale', 'max_steps', 'memory_check', 'output_dir', "
+    "'precision', 'seed', 'seq_len'"
 )
 
 
@@ -40,7 +40,8 @@ def test_an_unknown_key_suggests_the_close_one_and_lists_the_valid_keys(error):
 
 def test_an_unknown_key_with_nothing_close_lists_the_valid_keys_only(error):
     assert error("[checkpoint]\ncolour = 1\n") == (
-        "[checkpoint] colour: unknown key. Valid keys: 'async_save', 'interval', 'keep_last_n', 'max_failed_saves'."
+        "[checkpoint] colour: unknown key. Valid keys: 'async_save', 'init_from', 'interval', 'keep', "
+        "'keep_best_metric', 'keep_best_mode', 'keep_best_n', 'keep_every_n_steps', 'keep_last_n', 'max_failed_saves'."
     )
 
 
@@ -113,7 +114,11 @@ def test_a_misspelt_name_key_of_a_component_section_suggests_name(error):
         (None, ("--train.batch_size=-8",), "[train] batch_size: must be > 0, got -8."),
         (None, ("--metrics.log_interval=0",), "[metrics] log_interval: must be > 0, got 0."),
         (None, ("--metrics.peak_flops=0",), "[metrics] peak_flops: must be > 0, got 0.0."),
-        (None, ("--train.precision=fp8",), "[train] precision: must be one of 'auto', 'fp32', 'bf16', 'fp16', got 'fp8'."),
+        (
+            None,
+            ("--train.precision=fp8",),
+            "[train] precision: must be one of 'auto', 'fp32', 'bf16', 'fp16', got 'fp8'.",
+        ),
         (None, ("--train.grad_clip=-1",), "[train] grad_clip: must be >= 0, got -1.0."),
         (None, ("--train.grad_accum_steps=0",), "[train] grad_accum_steps: must be > 0, got 0."),
         (None, ("--model.norm=batchnorm",), "[model] norm: must be one of 'rmsnorm', 'layernorm', got 'batchnorm'."),
