@@ -9,7 +9,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 PACKAGES := core plugins/forge-moe plugins/forge-deepseek plugins/forge-optim-muon plugins/forge-wandb plugins/forge-prometheus plugins/forge-lm-eval plugins/forge-float8 plugins/forge-vlm
 STAMP := $(VENV)/.forge-installed
 
-.PHONY: setup demo test lint format clean bench dist
+.PHONY: setup demo test test-fast lint format clean bench dist
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,15 @@ demo: setup
 		'  . .venv/bin/activate' "  forge generate $$run --prompt 'def ' --temperature 0.8" \
 		"  forge plot $$run" '  forge train configs/debug.toml' '  forge list-plugins'
 
+# The whole suite but the `bench` tier (about 25 minutes on 2 cores), after lint. The tiers are
+# pytest markers (pyproject.toml); tests/conftest.py marks the slow tests by path.
 test: setup lint
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not bench"
+
+# The fast tier: everything but the `slow` tests (rank launches, the forge command in a fresh
+# interpreter, training runs of more than a few seconds) and `bench`: about 3 minutes on 2 cores.
+test-fast: setup
+	$(PY) -m pytest -m "not slow and not bench"
 
 # ruff, then import-linter's contracts ([tool.importlinter] in pyproject.toml: the core imports no
 # plugin, plugins import only forge_lm's public modules, the core's layers). The example plugin is
