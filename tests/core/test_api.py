@@ -109,3 +109,16 @@ def test_the_import_contract_forbids_every_core_module_but_the_public_ones():
     assert set(contract["forbidden_modules"]) == submodules - set(PUBLIC)
     plugins = {name.replace("-", "_") for name in FIRST_PARTY}
     assert set(contract["source_modules"]) == plugins | {"forge_example_plugin"}
+
+
+def test_what_type_checkers_see_is_what_the_api_exports():
+    """The TYPE_CHECKING imports at the end of api.py (for editors) name the same objects."""
+    tree = ast.parse(Path(api.__file__).read_text())
+    (block,) = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
+    seen = {
+        alias.asname or alias.name: (node.module, alias.name)
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert seen == api._EXPORTS

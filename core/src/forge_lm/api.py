@@ -77,6 +77,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "KVCache": ("forge_lm.model.kv_cache", "KVCache"),
     "sampling_probs": ("forge_lm.model.generate", "sampling_probs"),
     "active_parameter_count": ("forge_lm.model.flops", "active_parameter_count"),
+    "freeze_until": ("forge_lm.model.freezing", "freeze_until"),
     # Hugging Face conversion: reading configs, the shared renaming, Llama as a building block.
     "HFConfigReader": ("forge_lm.model.hf_fields", "HFConfigReader"),
     "rename_to_hf": ("forge_lm.model.hf", "rename_to_hf"),
@@ -111,4 +112,52 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__ imports on use
-    pass
+    from forge_lm.config import (  # noqa: F401
+        ComponentConfig,
+        LlamaOptions,
+        component,
+        model_options,
+        structure_options,
+        to_data,
+    )
+    from forge_lm.data.packing import check_tokenizer  # noqa: F401
+    from forge_lm.distributed import ModelTransform, TransformContext  # noqa: F401
+    from forge_lm.distributed.launch import is_main_process  # noqa: F401
+    from forge_lm.events import record as record_event  # noqa: F401
+    from forge_lm.losses.aux import collecting as collecting_aux  # noqa: F401
+    from forge_lm.losses.aux import report_aux_loss, report_loss_term, report_metric  # noqa: F401
+    from forge_lm.metrics.mfu import cpu_multiplies_bf16  # noqa: F401
+    from forge_lm.metrics.plot_panels import PlotPanel  # noqa: F401
+    from forge_lm.model.attention import (  # noqa: F401
+        Attention,
+        attention_mask,
+        check_flex_backward,
+        compute_dtype,
+        eager_attention,
+        flex_function,
+        repeat_kv,
+    )
+    from forge_lm.model.flops import active_parameter_count  # noqa: F401
+    from forge_lm.model.freezing import freeze_until  # noqa: F401
+    from forge_lm.model.generate import sampling_probs  # noqa: F401
+    from forge_lm.model.hf import (  # noqa: F401
+        QWEN3_ATTENTION_FIELDS,
+        decoder_config_fields,
+        llama_export,
+        llama_import,
+        qwen3_attention_problems,
+        rename_from_hf,
+        rename_to_hf,
+        swiglu_options_for,
+    )
+    from forge_lm.model.hf_fields import HFConfigReader  # noqa: F401
+    from forge_lm.model.kv_cache import KVCache  # noqa: F401
+    from forge_lm.model.linear import Linear, linear, matmul_nt  # noqa: F401
+    from forge_lm.model.linear import kernel_in_use as linear_kernel_in_use  # noqa: F401
+    from forge_lm.model.norms import RMSNorm  # noqa: F401
+    from forge_lm.model.rope import apply_rope  # noqa: F401
+    from forge_lm.model.swiglu import SwiGLU, swiglu_hidden  # noqa: F401
+    from forge_lm.model.transformer import Block, Transformer, attention_spec, build_layers  # noqa: F401
+    from forge_lm.plugins import PluginManager  # noqa: F401
+    from forge_lm.train.guards import COMPONENT_ATTRIBUTE, ComponentFailed  # noqa: F401
+    from forge_lm.train.guards import mark as mark_component  # noqa: F401
