@@ -33,6 +33,7 @@ PACKAGES = {  # distribution name -> its directory; the order of PACKAGES in the
     "forge-prometheus": REPO / "plugins" / "forge-prometheus",
     "forge-lm-eval": REPO / "plugins" / "forge-lm-eval",
     "forge-float8": REPO / "plugins" / "forge-float8",
+    "forge-vlm": REPO / "plugins" / "forge-vlm",
 }
 CORE = "forge-lm"
 
