@@ -109,3 +109,21 @@ def test_a_real_measurement_gives_a_choice_and_its_reason():
     choice = choose(SHAPES)
     assert isinstance(choice.onednn, bool)
     assert "oneDNN measured" in choice.reason
+
+
+def test_one_process_keeps_one_choice_per_model_whatever_the_batch(monkeypatch, tmp_path):
+    """A gradient-accumulation run (micro-batch 4) and its one-big-batch twin (8) must take the
+    same kernel, or they round differently: the choice is made once per model's products."""
+    monkeypatch.setattr(linear_choice, "_MADE", {})
+    monkeypatch.setattr(linear_choice, "cache_path", lambda: tmp_path / "linear_kernel.json")
+    calls = []
+
+    def timer(name, shape):
+        calls.append(shape)
+        return 1.0 if name == "onednn" else 1.5  # oneDNN 1.5x faster: chosen
+
+    big = linear_choice.choose([(1024, 64, 256), (1024, 256, 64)], timer)
+    measured = len(calls)
+    small = linear_choice.choose([(512, 64, 256), (512, 256, 64)], lambda name, shape: 1.0)  # would say aten
+    assert (big.onednn, small.onednn) == (True, True)
+    assert len(calls) == measured  # not measured again

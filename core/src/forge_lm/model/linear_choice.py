@@ -10,8 +10,9 @@ kernel, which is bitwise a plain PyTorch model's.
 The choice is cached on disk per CPU model, instruction set, thread count, torch version and
 shapes, beside the measured matmul peak (:mod:`forge_lm.metrics.mfu`), and only when the
 machine was idle: a choice made under load serves this process alone. A process measures at
-most once per set of shapes; every later run in it reuses the choice, so runs in one process
-take the same kernel.
+most once per model (the in and out features of its products): every later run of that model
+in it reuses the choice whatever its batch, so runs in one process take the same kernel (a
+gradient-accumulation run and its one-big-batch twin must round alike).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class Choice:
     reason: str  # for the start event and forge doctor
 
 
-# shapes -> Choice, for the rest of this process
-_MADE: dict[tuple[tuple[int, int, int], ...], Choice] = {}
+# the products' (in, out) features -> Choice, for the rest of this process
+_MADE: dict[tuple[tuple[int, int], ...], Choice] = {}
 
 
 def choose(
@@ -52,15 +53,16 @@ def choose(
     from forge_lm.metrics.mfu import BUSY_LOAD_FRACTION, cpu_model, machine_load
 
     key_shapes = tuple(sorted(set(shapes)))
-    if key_shapes in _MADE:
-        return _MADE[key_shapes]
+    model_key = tuple(sorted({(features_in, features_out) for _, features_in, features_out in key_shapes}))
+    if model_key in _MADE:
+        return _MADE[model_key]
     flags = "+".join(_cpu_flags())
     key = f"{cpu_model()} | {flags} | threads={torch.get_num_threads()} | torch={torch.__version__} | {key_shapes}"
     path = cache_path()
     cached = _read(path).get(key)
     if _valid(cached):
         choice = Choice(cached["onednn"], f"{_verdict(cached)}, cached {cached['date']}")
-        _MADE[key_shapes] = choice
+        _MADE[model_key] = choice
         return choice
     others, cpus = machine_load()  # before measuring: the measurement loads the machine itself
     onednn_s, aten_s = measure(key_shapes, timer or _time_product)
@@ -73,7 +75,7 @@ def choose(
         cache[key] = entry
         _write(path, cache)
         choice = Choice(entry["onednn"], f"{_verdict(entry)}, measured now")
-    _MADE[key_shapes] = choice
+    _MADE[model_key] = choice
     return choice
 
 
