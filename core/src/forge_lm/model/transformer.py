@@ -246,7 +246,7 @@ class Transformer(nn.Module):
             expected = "[batch, seq]" if embeds else "a hidden state [batch, seq, dim]"
             raise ForgeError(f"input_ids must be {expected}; got shape {tuple(input_ids.shape)}.")
         h = self.tok_embeddings(input_ids) if embeds else input_ids  # [B, T, dim]
-        return self.forward_embeddings(h, document_ids, kv_cache, positions)
+        return self._run_blocks(h, input_ids, document_ids, kv_cache, positions)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings ``[B, T, dim]`` of ``input_ids`` ``[B, T]``: what :meth:`forward`
@@ -268,7 +268,20 @@ class Transformer(nn.Module):
         the head (a stage before the last: the hidden state). The arguments are :meth:`forward`'s."""
         if embeddings.ndim != 3:
             raise ForgeError(f"embeddings must be [batch, seq, dim]; got shape {tuple(embeddings.shape)}.")
-        input_ids = embeddings  # below, only its batch and sequence sizes and its device are read
+        return self._run_blocks(embeddings, embeddings, document_ids, kv_cache, positions)
+
+    def _run_blocks(
+        self,
+        h: torch.Tensor,
+        input_ids: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The blocks, final norm and head on ``h``. ``input_ids`` gives the batch and sequence
+        sizes and the device that positions and masks take: the token ids ``forward`` embedded,
+        whose sequence is whole where tensor parallelism hands ``h`` to the blocks as this rank's
+        slice of it (sequence parallelism), or ``h`` itself."""
         seq = input_ids.shape[1]
         start = kv_cache.length if kv_cache is not None else 0
         self._check_lengths(start, seq)
@@ -302,7 +315,6 @@ class Transformer(nn.Module):
                 masks[window] = self._windowed_mask(window, input_ids, document_ids, positions, kv_cache, start, seq)
             return masks[window]
 
-        h = embeddings
         for layer in self.blocks():
             h = layer(h, cos, sin, *mask_for(layer), kv_cache)
         if kv_cache is not None:
