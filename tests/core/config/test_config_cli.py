@@ -151,7 +151,8 @@ def test_config_without_an_action_exits_2_with_a_hint(forge_cli):
     assert (result.returncode, result.stdout, result.stderr) == (
         2,
         "",
-        "forge: error: say what to do with the config: 'forge config show' or 'forge config validate'.\n",
+        "forge: error: say what to do with the config: 'forge config show', 'forge config validate' or "
+        "'forge config reference'.\n",
     )
 
 

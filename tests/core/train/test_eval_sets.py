@@ -184,11 +184,12 @@ def _error(manager, *overrides, toml=None, tmp_path=None):
         (
             ["--eval.datasets.val.name=hf_text", "--eval.datasets.val.path=a.txt", "--eval.datasets.val.fromat=json"],
             "[eval.datasets.val] fromat: unknown key for dataset 'hf_text'. Did you mean 'format'? Valid keys: "
-            "'cache_dir', 'eval_fraction', 'format', 'path', ",
+            "'cache_dir', 'dataset', 'dataset_config', 'eval_fraction', 'format', 'hub_split', 'path', ",
         ),
         (
             ["--eval.datasets.val.name=hf_text"],
-            "[eval.datasets.val] path: required by dataset 'hf_text', but not set.",
+            '[eval.datasets.val] path: hf_text reads local files (path) or a Hugging Face Hub dataset (dataset = '
+            '"org/name"): set exactly one.',
         ),
         (
             ["--eval.datasets.val.path=a.txt"],
