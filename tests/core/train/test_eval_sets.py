@@ -188,7 +188,7 @@ def _error(manager, *overrides, toml=None, tmp_path=None):
         ),
         (
             ["--eval.datasets.val.name=hf_text"],
-            '[eval.datasets.val] path: hf_text reads local files (path) or a Hugging Face Hub dataset (dataset = '
+            "[eval.datasets.val] path: hf_text reads local files (path) or a Hugging Face Hub dataset (dataset = "
             '"org/name"): set exactly one.',
         ),
         (
