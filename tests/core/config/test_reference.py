@@ -80,3 +80,15 @@ def test_the_command_prints_the_reference_of_the_installed_plugins(capsys):
 def test_the_command_takes_no_overrides(capsys):
     assert main(["config", "reference", "--train.max_steps=3"]) == 2
     assert "takes no overrides" in capsys.readouterr().err
+
+
+def test_types_read_the_same_whether_or_not_attrs_resolved_them(first_party):
+    """cattrs resolves a class's annotations in place the first time it structures it: the
+    reference must not change with the order in which tests (or commands) ran."""
+    from forge_lm.config import EvalSection
+
+    before = reference_markdown(first_party.registry)
+    attrs.resolve_types(EvalSection)
+    attrs.resolve_types(type(ForgeConfig().train))
+    assert reference_markdown(first_party.registry) == before
+    assert "| `datasets` | `dict[str, EvalSet]` |" in before

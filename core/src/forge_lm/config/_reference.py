@@ -18,6 +18,8 @@ from __future__ import annotations
 import inspect
 import io
 import tokenize
+import types
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -177,8 +179,24 @@ def _attrs_class(field: attrs.Attribute) -> type | None:
 
 
 def _type(field: attrs.Attribute) -> str:
-    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+    kind = field.type if isinstance(field.type, str) else _type_text(field.type)
     return f"`{kind}`".replace("|", "\\|") if kind else ""
+
+
+def _type_text(kind: Any) -> str:
+    """A type as its annotation is written (``dict[str, EvalSet]``, ``int | None``): the same
+    text whether attrs still holds the annotation's string or a resolved type (cattrs resolves
+    them in place when it first structures a class, so the order of calls must not matter)."""
+    if kind is None or kind is type(None):
+        return "None"
+    args = typing.get_args(kind)
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_text(arg) for arg in args)
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{', '.join('...' if arg is Ellipsis else _type_text(arg) for arg in args)}]" if args else name
+    return getattr(kind, "__name__", str(kind))
 
 
 def _default(field: attrs.Attribute) -> str:
