@@ -26,10 +26,9 @@ def vlm_manager():
     return PluginManager(PluginSettings(allow=("vlm",)))
 
 
-def tiny_clip_vision(**fields: Any) -> Any:
-    """A tiny ``CLIPVisionConfig``: 16 x 16 images of 4 x 4 patches, width 32, 2 blocks, eager."""
-    from transformers import CLIPVisionConfig
-
+def _tiny_vision(config_class: Any, layer_norm_eps: float, hidden_act: str, fields: dict[str, Any]) -> Any:
+    """A tiny vision config of ``config_class``: 16 x 16 images of 4 x 4 patches, width 32, 2
+    blocks, eager attention; ``fields`` override."""
     defaults = {
         "hidden_size": 32,
         "intermediate_size": 48,
@@ -37,31 +36,26 @@ def tiny_clip_vision(**fields: Any) -> Any:
         "num_attention_heads": 4,
         "image_size": 16,
         "patch_size": 4,
-        "layer_norm_eps": 1e-5,
-        "hidden_act": "quick_gelu",
+        "layer_norm_eps": layer_norm_eps,
+        "hidden_act": hidden_act,
     }
-    config = CLIPVisionConfig(**{**defaults, **fields})
+    config = config_class(**{**defaults, **fields})
     config._attn_implementation = "eager"
     return config
+
+
+def tiny_clip_vision(**fields: Any) -> Any:
+    """A tiny ``CLIPVisionConfig`` (CLIP's eps and quick_gelu)."""
+    from transformers import CLIPVisionConfig
+
+    return _tiny_vision(CLIPVisionConfig, 1e-5, "quick_gelu", fields)
 
 
 def tiny_siglip_vision(**fields: Any) -> Any:
-    """A tiny ``SiglipVisionConfig``: 16 x 16 images of 4 x 4 patches, width 32, 2 blocks, eager."""
+    """A tiny ``SiglipVisionConfig`` (SigLIP's eps and tanh GELU)."""
     from transformers import SiglipVisionConfig
 
-    defaults = {
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "image_size": 16,
-        "patch_size": 4,
-        "layer_norm_eps": 1e-6,
-        "hidden_act": "gelu_pytorch_tanh",
-    }
-    config = SiglipVisionConfig(**{**defaults, **fields})
-    config._attn_implementation = "eager"
-    return config
+    return _tiny_vision(SiglipVisionConfig, 1e-6, "gelu_pytorch_tanh", fields)
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
