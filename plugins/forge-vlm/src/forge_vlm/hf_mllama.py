@@ -66,30 +66,39 @@ def _inverse(names: dict[str, str]) -> dict[str, str]:
 
 def vision_to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tower's state dict (Forge's names inside the tower) under ``MllamaVisionModel``'s."""
-    out = {}
-    for name, tensor in state.items():
-        layer = re.fullmatch(r"(layers|global_layers)\.(\d+)\.(.+)", name)
-        if layer is not None and layer.group(3) in VISION_LAYER_NAMES:
-            out[f"{_VISION_STACKS[layer.group(1)]}.{layer.group(2)}.{VISION_LAYER_NAMES[layer.group(3)]}"] = tensor
-        elif name in VISION_NAMES:
-            out[VISION_NAMES[name]] = tensor
-        else:
-            raise ForgeError(f"the vision tower's '{name}' has no name in Hugging Face's MllamaVisionModel.")
-    return out
+    return _renamed(
+        state, _VISION_STACKS, VISION_LAYER_NAMES, VISION_NAMES,
+        "the vision tower's '{}' has no name in Hugging Face's MllamaVisionModel.",
+    )  # fmt: skip
 
 
 def vision_from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``MllamaVisionModel``'s state dict under the names of :class:`~forge_vlm.mllama_vision.MllamaVisionTower`."""
-    stacks, layer_names, names = _inverse(_VISION_STACKS), _inverse(VISION_LAYER_NAMES), _inverse(VISION_NAMES)
+    return _renamed(
+        state, _inverse(_VISION_STACKS), _inverse(VISION_LAYER_NAMES), _inverse(VISION_NAMES),
+        "the vision weight '{}' is not part of an Mllama vision tower Forge can import.",
+    )  # fmt: skip
+
+
+def _renamed(
+    state: dict[str, torch.Tensor],
+    stacks: dict[str, str],
+    layer_names: dict[str, str],
+    names: dict[str, str],
+    unknown: str,
+) -> dict[str, torch.Tensor]:
+    """``state`` renamed one way: a layer's weight by its stack (``stacks``), index and name in
+    the layer (``layer_names``), any other weight by ``names``; a name in none is ``unknown``."""
+    pattern = re.compile(rf"({'|'.join(map(re.escape, stacks))})\.(\d+)\.(.+)")
     out = {}
     for name, tensor in state.items():
-        layer = re.fullmatch(r"(transformer\.layers|global_transformer\.layers)\.(\d+)\.(.+)", name)
+        layer = pattern.fullmatch(name)
         if layer is not None and layer.group(3) in layer_names:
             out[f"{stacks[layer.group(1)]}.{layer.group(2)}.{layer_names[layer.group(3)]}"] = tensor
         elif name in names:
             out[names[name]] = tensor
         else:
-            raise ForgeError(f"the vision weight '{name}' is not part of an Mllama vision tower Forge can import.")
+            raise ForgeError(unknown.format(name))
     return out
 
 
