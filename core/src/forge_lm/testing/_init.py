@@ -49,15 +49,16 @@ def initialised(subject: Subject, build: Builder, seed: int, n_layers: int, devi
     return layer
 
 
-def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module``, by name."""
     yield from module.named_parameters()
     yield from module.named_buffers()
 
 
 def first_difference(a: nn.Module, b: nn.Module) -> str | None:
     """The first parameter or buffer whose values differ between two builds, described."""
-    theirs = dict(_tensors(b))
-    for name, tensor in _tensors(a):
+    theirs = dict(named_tensors(b))
+    for name, tensor in named_tensors(a):
         other = theirs.get(name)
         if other is None or other.shape != tensor.shape:
             return f"{name} (present in one build only, or of another shape)"

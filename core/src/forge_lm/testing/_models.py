@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +20,7 @@ from torch import nn
 from forge_lm.components import PARAMETER_ROLES, CountsFlops, DecodesWithCache, parameter_roles
 from forge_lm.config import ComponentConfig
 from forge_lm.errors import ForgeError
+from forge_lm.testing._init import first_difference, named_tensors
 from forge_lm.testing._kit import Subject, category_check, skip_check
 
 VOCAB = 61  # small, and prime: no weight but the embedding and the head has a dimension of this size
@@ -72,24 +72,6 @@ def _logits(subject: Subject, model: nn.Module, ids: torch.Tensor, **kwargs: obj
 
 def _scale(logits: torch.Tensor) -> float:
     return max(1.0, logits.abs().max().item())
-
-
-def _tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from model.named_parameters()
-    yield from model.named_buffers()
-
-
-def _first_difference(a: nn.Module, b: nn.Module) -> str | None:
-    """The first parameter or buffer whose values differ between two models of one family."""
-    theirs = dict(_tensors(b))
-    for name, tensor in _tensors(a):
-        other = theirs.get(name)
-        if other is None or other.shape != tensor.shape:
-            return f"{name} (present in one model only, or of another shape)"
-        if not torch.equal(tensor.detach().cpu(), other.detach().cpu()):
-            gap = (tensor.detach().cpu().double() - other.detach().cpu().double()).abs().nan_to_num(float("inf"))
-            return f"{name} (up to {gap.max().item():.3g} apart)"
-    return None
 
 
 @category_check("models")
@@ -177,14 +159,14 @@ def check_documents_do_not_attend_to_each_other(subject: Subject) -> None:
 @category_check("models")
 def check_initial_weights_depend_on_the_seed_only(subject: Subject) -> None:
     first, again = _build(subject, seed=SEEDS[0]), _build(subject, seed=SEEDS[0])
-    differs = _first_difference(first, again)
+    differs = first_difference(first, again)
     assert differs is None, (
         f"{subject.label}: build_model twice with seed={SEEDS[0]} gives different weights: {differs}; the kit "
         "expects identical ones (set every value through the Initializer in init_weights(init), never with "
         "torch.nn.init or torch's global generator)"
     )
     other = _build(subject, seed=SEEDS[1])
-    assert _first_difference(first, other) is not None, (
+    assert first_difference(first, other) is not None, (
         f"{subject.label}: build_model with seeds {SEEDS[0]} and {SEEDS[1]} gives identical weights; the kit "
         "expects the seed to change the random ones (init.normal draws from it)"
     )
@@ -197,7 +179,7 @@ def check_meta_build_materialises_to_the_plain_build(subject: Subject) -> None:
     from forge_lm.model.init import materialize
 
     model = _build(subject, seed=SEEDS[0], device="meta")
-    real = [name for name, tensor in _tensors(model) if not tensor.is_meta]
+    real = [name for name, tensor in named_tensors(model) if not tensor.is_meta]
     assert not real, (
         f"{subject.label}: built on the meta device, {real[:5]} still hold memory; the kit expects every parameter "
         "and buffer on the meta device (create tensors without an explicit device in the constructor)"
@@ -209,7 +191,7 @@ def check_meta_build_materialises_to_the_plain_build(subject: Subject) -> None:
             f"{subject.label}: a model built on the meta device cannot be materialized: {str(exc).rstrip('.')}; "
             "the kit expects init_weights(init) to set every parameter and buffer through the Initializer"
         ) from exc
-    differs = _first_difference(model, _build(subject, seed=SEEDS[0]))
+    differs = first_difference(model, _build(subject, seed=SEEDS[0]))
     assert differs is None, (
         f"{subject.label}: built on the meta device and materialized with seed={SEEDS[0]}, the model differs from "
         f"build_model with that seed at {differs}; the kit expects them bitwise equal (values set in the "
