@@ -470,6 +470,52 @@ def _ranges_in_order(_: Any, attribute: Any, rules: list[KeepRange]) -> None:
 
 
 @attrs.frozen
+class GrowthSection:
+    """``[checkpoint.growth]``: how ``init_from``'s weights fill a larger ``[model]``
+    (:mod:`forge_lm.train.growth`). Each rule is off ("none") until set; a shape change no rule
+    covers is refused before training, naming the tensors."""
+
+    depth: str = attrs.field(
+        default="none",
+        validator=one_of("none", "copy", "zero"),
+        metadata=_doc(
+            "More layers than the source: the source's layers are spread evenly over the new ones (layer j "
+            "takes source layer j * n_source // n_layers) and each new layer starts as a copy of the source "
+            "layer below it; 'copy' keeps the copy whole, 'zero' zeroes the projections that write into the "
+            "residual stream (attention out, FFN down), so each new layer is the identity and the grown model "
+            "computes what the source did."
+        ),
+    )
+    width: str = attrs.field(
+        default="none",
+        validator=one_of("none", "preserve"),
+        metadata=_doc(
+            "A wider feed-forward layer than the source (hidden_multiplier, multiple_of, a MoE layer's "
+            "expert_multiplier or n_shared_experts): the source's weights fill the first hidden units, the "
+            "new units start from this run's initialisation with their residual (down) projection zero, so "
+            "the model computes what the source did. dim, heads, head size and vocabulary must be the "
+            "source's (a wider residual stream changes every RMSNorm)."
+        ),
+    )
+    experts: str = attrs.field(
+        default="none",
+        validator=one_of("none", "copy"),
+        metadata=_doc(
+            "More routed experts than the source (a MoE layer's n_experts, where its plugin supports growth): "
+            "new expert e is a copy of source expert e mod n_source with noise, its router row a copy."
+        ),
+    )
+    expert_noise: float = attrs.field(
+        default=0.01,
+        validator=[finite, non_negative],
+        metadata=_doc(
+            "Standard deviation of the Gaussian noise added to each new expert's weights, relative to the "
+            "standard deviation of the source expert's weight it copies; 0 gives exact copies."
+        ),
+    )
+
+
+@attrs.frozen
 class CheckpointSection:
     interval: int = attrs.field(
         default=0,
@@ -524,8 +570,13 @@ class CheckpointSection:
         metadata=_doc(
             "Start a new run from these weights: a run directory, one of its checkpoints/step_<N> or a Hugging "
             "Face model directory (model only: the optimizer, schedule and data position start fresh; every "
-            "shape must be [model]'s). A run with a checkpoint of its own resumes from it instead."
+            "shape must be [model]'s unless [checkpoint.growth] says how to grow it). A run with a checkpoint of "
+            "its own resumes from it instead."
         ),
+    )
+    growth: GrowthSection = attrs.field(
+        factory=GrowthSection,
+        metadata=_doc("How init_from's weights fill a larger [model]: [checkpoint.growth] depth, width, experts."),
     )
     max_failed_saves: int = attrs.field(
         default=3,
