@@ -14,17 +14,15 @@ import torch
 from forge_lm.config import load_config
 from forge_lm.distributed.mesh import ParallelDims
 from forge_lm.errors import ConfigError, PluginError
-from forge_lm.model import build_model, memory, transformer
+from forge_lm.model import available_memory, build_model, memory, transformer
+from forge_lm.model.available_memory import MemoryLimit, host_available_memory, memory_limit
 from forge_lm.model.memory import (
-    MemoryLimit,
     check_memory,
     count_parameters,
     estimate_memory,
     format_bytes,
     format_count,
-    host_available_memory,
     lower_bound,
-    memory_limit,
     optimizer_states,
 )
 from forge_lm.plugins import PluginManager, PluginSettings
@@ -357,7 +355,7 @@ def test_host_memory_falls_back_to_sysconf_without_proc(tmp_path):
 
 
 def test_cpu_memory_is_shared_by_the_processes_on_the_host(monkeypatch):
-    monkeypatch.setattr(memory, "host_available_memory", lambda: 12_000)
+    monkeypatch.setattr(available_memory, "host_available_memory", lambda: 12_000)
     assert memory_limit(torch.device("cpu")) == MemoryLimit(12_000, "of available memory on this host")
     assert memory_limit(torch.device("cpu"), processes_on_host=4) == MemoryLimit(
         3_000, "of available memory on this host, shared by its 4 processes"
@@ -365,7 +363,7 @@ def test_cpu_memory_is_shared_by_the_processes_on_the_host(monkeypatch):
 
 
 def test_a_run_that_cannot_fit_is_refused_with_the_estimate_and_the_limit(manager, monkeypatch):
-    monkeypatch.setattr(memory, "host_available_memory", lambda: 100_000_000)  # 100 MB
+    monkeypatch.setattr(available_memory, "host_available_memory", lambda: 100_000_000)  # 100 MB
     agreed = []
 
     def agree(flag: bool) -> bool:  # what every rank says; here, one rank
@@ -387,7 +385,7 @@ def test_a_run_that_cannot_fit_is_refused_with_the_estimate_and_the_limit(manage
 
 
 def test_a_run_that_fits_starts_and_memory_check_false_skips_the_check(manager, monkeypatch):
-    monkeypatch.setattr(memory, "host_available_memory", lambda: 100_000_000)
+    monkeypatch.setattr(available_memory, "host_available_memory", lambda: 100_000_000)
     args = (BYTES, manager.registry, ParallelDims(), torch.device("cpu"), None)
     small = config_of(manager, "--train.batch_size=1")
     assert check_memory(small, *args).total < 100_000_000
@@ -395,7 +393,7 @@ def test_a_run_that_fits_starts_and_memory_check_false_skips_the_check(manager, 
 
 
 def test_another_ranks_refusal_stops_this_rank_too(manager, monkeypatch):
-    monkeypatch.setattr(memory, "host_available_memory", lambda: 10**12)
+    monkeypatch.setattr(available_memory, "host_available_memory", lambda: 10**12)
     with pytest.raises(ConfigError, match=r"^another rank's share of the run does not fit in its memory"):
         check_memory(
             config_of(manager), BYTES, manager.registry, ParallelDims(), torch.device("cpu"), None, lambda _: True
@@ -403,7 +401,7 @@ def test_another_ranks_refusal_stops_this_rank_too(manager, monkeypatch):
 
 
 def test_validation_reports_the_estimate_and_refuses_what_train_would(manager, monkeypatch):
-    monkeypatch.setattr(memory, "host_available_memory", lambda: 24_600_000_000)
+    monkeypatch.setattr(available_memory, "host_available_memory", lambda: 24_600_000_000)
     assert validation_report(config_of(manager, "--train.device=cpu"), manager.registry) == (
         "estimate: 3.28M parameters; about 244 MB per rank (weights 14.2 MB, gradients 13.1 MB, optimizer state "
         "26.2 MB (adamw: 2 per parameter), activations 191 MB); 24.6 GB of available memory on this host."
@@ -454,7 +452,7 @@ def test_validation_applies_the_layout_rules_a_launch_would(manager):
 def test_validation_outside_torchrun_takes_dp_shard_minus_one_as_one_rank_that_ep_divides(manager, monkeypatch):
     pytest.importorskip("forge_moe")
     moe = PluginManager(PluginSettings(allow=("moe",)))
-    monkeypatch.setattr(memory, "host_available_memory", lambda: 10**12)
+    monkeypatch.setattr(available_memory, "host_available_memory", lambda: 10**12)
     report = validation_report(config_of(moe, "--model.ffn.name=moe", "--distributed.ep=2"), moe.registry)
     assert "weights sharded" not in report
     sharded = validation_report(config_of(manager, "--distributed.dp_shard=4", "--distributed.tp=2"), manager.registry)

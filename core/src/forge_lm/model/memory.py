@@ -30,17 +30,14 @@ The estimate, per rank:
   probabilities for backward: ``heads * seq_len`` values per token, in the compute dtype.
   Activation checkpointing keeps the block inputs and one block's activations.
 
-The limit (:func:`memory_limit`): on CUDA the device's free memory (``torch.cuda.mem_get_info``);
-on CPU the host's available memory (``MemAvailable``, or a cgroup's remaining limit if lower),
-shared by the ranks on the host (``LOCAL_WORLD_SIZE``).
+The limit (:func:`forge_lm.model.available_memory.memory_limit`, which probes this machine): on
+CUDA the device's free memory; on CPU the host's available memory, shared by the ranks on the host.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -50,6 +47,7 @@ from forge_lm.components import ShardedByBlocks
 from forge_lm.config import ComponentConfig, ForgeConfig, LlamaOptions, ModelSection, model_options
 from forge_lm.errors import ConfigError, ForgeError, PluginError
 from forge_lm.model.attention import uses_eager
+from forge_lm.model.available_memory import MemoryLimit, memory_limit, processes_on_host
 
 if TYPE_CHECKING:
     from forge_lm.distributed.mesh import ParallelDims
@@ -119,14 +117,6 @@ class MemoryEstimate:
             f"{format_bytes(self.optimizer_state)} ({self.optimizer}: {self.states:g} per parameter), activations "
             f"{format_bytes(self.activations)}{shards}"
         )
-
-
-@attrs.frozen
-class MemoryLimit:
-    """The bytes a rank may use, and where that figure comes from (for messages)."""
-
-    bytes: int
-    source: str  # "of free memory on cuda:0 (NVIDIA H100)", "of available memory on this host"
 
 
 def format_bytes(size: float) -> str:
@@ -344,62 +334,6 @@ def _estimate(
     )
 
 
-# -- the limit -----------------------------------------------------------------------------------
-
-
-def memory_limit(device: torch.device, *, processes_on_host: int = 1) -> MemoryLimit | None:
-    """What one rank on ``device`` may use, or None when it cannot be told."""
-    if device.type == "cuda":
-        try:
-            free, _total = torch.cuda.mem_get_info(device)
-            name = torch.cuda.get_device_name(device)
-        except Exception:  # noqa: BLE001 - no figure is better than a failed start
-            return None
-        return MemoryLimit(int(free), f"of free memory on {device} ({name})")
-    if device.type == "cpu":
-        available = host_available_memory()
-        if available is None:
-            return None
-        processes = max(1, processes_on_host)
-        shared = f", shared by its {processes} processes" if processes > 1 else ""
-        return MemoryLimit(available // processes, f"of available memory on this host{shared}")
-    return None
-
-
-def host_available_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Bytes this process could still allocate: the kernel's ``MemAvailable``, or less if a cgroup
-    (a container, a SLURM job) limits it; ``sysconf`` where there is no ``/proc``."""
-    found = []
-    try:
-        for line in (proc / "meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) * 1024)  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    groups = [cgroup]
-    try:  # cgroup v2: this process's own group ("0::/slurm/job_1"), besides the namespace's root
-        for line in (proc / "self" / "cgroup").read_text().splitlines():
-            if line.startswith("0::/") and line[4:].strip():
-                groups.insert(0, cgroup / line[4:].strip())
-    except OSError:
-        pass
-    pairs = [(group / "memory.max", group / "memory.current") for group in groups]
-    pairs.append((cgroup / "memory" / "memory.limit_in_bytes", cgroup / "memory" / "memory.usage_in_bytes"))  # v1
-    for limit_file, usage_file in pairs:
-        try:
-            limit, usage = limit_file.read_text().strip(), int(usage_file.read_text().strip())
-            if limit != "max" and int(limit) < 2**60:  # v1 writes a huge number for "no limit"
-                found.append(max(0, int(limit) - usage))
-        except (OSError, ValueError):
-            pass
-    if not found:
-        try:
-            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (AttributeError, OSError, ValueError):
-            return None
-    return min(found)
-
-
 # -- refusing ------------------------------------------------------------------------------------
 
 
@@ -459,16 +393,6 @@ def check_memory(
             else "another rank's share of the run does not fit in its memory; see that rank's message."
         )
     return estimate
-
-
-def processes_on_host(device: torch.device) -> int:
-    """Ranks sharing this host's memory: torchrun's local world on CPU; each GPU is its own."""
-    if device.type != "cpu":
-        return 1
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 def model_vocab_size(config: ForgeConfig, tokenizer: Any) -> int:

@@ -21,17 +21,9 @@ from forge_lm.config import ForgeConfig, model_options
 from forge_lm.distributed.launch import detect_launch
 from forge_lm.distributed.mesh import ParallelDims
 from forge_lm.errors import ConfigError, ForgeError
+from forge_lm.model.available_memory import MemoryLimit, memory_limit, processes_on_host
 from forge_lm.model.capabilities import check_family_supports
-from forge_lm.model.memory import (
-    MemoryEstimate,
-    MemoryLimit,
-    estimate_memory,
-    format_bytes,
-    memory_limit,
-    model_vocab_size,
-    processes_on_host,
-    refusal,
-)
+from forge_lm.model.memory import MemoryEstimate, estimate_memory, format_bytes, model_vocab_size, refusal
 from forge_lm.train.device import autocast_dtype, resolve_device
 
 GIB = 2**30
