@@ -281,6 +281,25 @@ class CountsActiveParameters(Protocol):
 
 
 @runtime_checkable
+class GrowsWeights(Protocol):
+    """A module with an axis the core's growth rules cannot know (a mixture of experts: the
+    expert axis), grown by ``[checkpoint.growth]`` when ``init_from`` weights fill a larger
+    model (:mod:`forge_lm.train.growth`). The core calls it, before its own rules, when a
+    tensor of the module differs in shape from the source's; the core's rules then grow what is
+    left (wider hidden units, new layers)."""
+
+    def grow_source(
+        self, source: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], rules: Any, generator: Any
+    ) -> dict[str, Any]:
+        """``source``: the source's tensors of this module (names relative to it, full CPU
+        tensors); ``shapes``: this module's tensor shapes; ``rules``: the ``[checkpoint.growth]``
+        section; ``generator``: a seeded ``torch.Generator`` for any noise. Returns replacements
+        for the source tensors this module grows along its own axis (``{name: tensor}``; empty
+        when it has nothing to grow). Raises ``ConfigError`` naming the ``[checkpoint.growth]``
+        option when the shapes need a rule that is not set, or one that cannot apply."""
+
+
+@runtime_checkable
 class TensorParallelizable(Protocol):
     """A feed-forward layer that ``[distributed] tp > 1`` can split: one without it is refused."""
 
