@@ -63,6 +63,7 @@ from forge_lm.checkpoint._state import (
     restore_param_groups,
 )
 from forge_lm.checkpoint._tree import join, merge_rank_skeletons, restrict_to_rank, split, tensor_keys
+from forge_lm.components import EvolvingGroupKeys
 from forge_lm.distributed.reduce import any_rank, barrier, distributed, from_rank0, rank
 from forge_lm.errors import ForgeError
 from forge_lm.model.freezing import staged_as_saved
@@ -537,7 +538,9 @@ class CheckpointManager:
         saved = skeleton["optimizer"]
         check_optimizer_state(saved.get("state", {}), live.get("state"))
         groups, replaced = restore_param_groups(
-            saved.get("param_groups"), live["param_groups"], getattr(optimizer, "evolving_group_keys", ())
+            saved.get("param_groups"),
+            live["param_groups"],
+            optimizer.evolving_group_keys if isinstance(optimizer, EvolvingGroupKeys) else (),
         )
         skeleton["optimizer"] = {**saved, "param_groups": groups}
         return replaced

@@ -138,7 +138,8 @@ def check_like(saved: Any, current: Any, what: str, depth: int = 0, *, equal_len
 # Parameter-group values that change as training goes on, restored from the checkpoint once
 # they pass their check. Every other group value is a setting, taken from the live optimizer
 # (built from this run's config). An optimizer whose groups carry other evolving values names
-# them in an ``evolving_group_keys`` attribute (restored after the type check of every value).
+# them in an ``evolving_group_keys`` attribute (forge_lm.components.EvolvingGroupKeys; restored after
+# the type check of every value).
 EVOLVING_GROUP_KEYS: dict[str, Any] = {
     "lr": lambda v: _is_number(v) and v >= 0,  # set by the scheduler at every step
     "initial_lr": lambda v: _is_number(v) and v >= 0,  # set by the scheduler when it is built

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from forge_lm.components import ShardedByBlocks
+from forge_lm.components import DeclaresOptimizerStates, ShardedByBlocks
 from forge_lm.config import ComponentConfig, ForgeConfig, LlamaOptions, ModelSection, model_options
 from forge_lm.errors import ConfigError, ForgeError, PluginError
 from forge_lm.model.attention import uses_eager
@@ -56,15 +56,13 @@ MAX_BUILT_LAYERS = 256
 """Blocks built on the meta device to count parameters; more are extrapolated (``exact`` False)."""
 
 OPTIMIZER_STATES_ATTRIBUTE = "FORGE_LM_OPTIMIZER_STATES"
-"""An optimizer's options class may declare how many state tensors, each the size of its parameter,
-the optimizer keeps per parameter: ``FORGE_LM_OPTIMIZER_STATES: ClassVar[float] = 2`` (AdamW's
-``exp_avg`` and ``exp_avg_sq``). An upper bound is right where it varies by parameter."""
+"""Where an optimizer's options class declares how many state tensors, each the size of its parameter,
+the optimizer keeps per parameter (:class:`forge_lm.components.DeclaresOptimizerStates`)."""
 
 KNOWN_OPTIMIZER_STATES: dict[tuple[str, str], float] = {
     ("forge-lm", "adamw"): 2,  # exp_avg, exp_avg_sq
     ("forge-lm", "lion"): 1,  # exp_avg
     ("forge-lm", "schedule_free_adamw"): 2,  # z, exp_avg_sq
-    ("forge-optim-muon", "muon"): 2,  # momentum on hidden matrices, AdamW's two elsewhere: at most 2
 }
 """State tensors per parameter of optimizers that do not declare :data:`OPTIMIZER_STATES_ATTRIBUTE`,
 by (distribution, name)."""
@@ -227,10 +225,10 @@ def optimizer_states(component: Any) -> float:
     """State tensors per parameter the optimizer ``component`` keeps: what its options class
     declares in :data:`OPTIMIZER_STATES_ATTRIBUTE`, else :data:`KNOWN_OPTIMIZER_STATES`, else
     :data:`DEFAULT_OPTIMIZER_STATES`."""
-    declared = getattr(component.options_class, OPTIMIZER_STATES_ATTRIBUTE, None)
-    if declared is None:
+    if not isinstance(component.options_class, DeclaresOptimizerStates):
         known = KNOWN_OPTIMIZER_STATES.get((component.plugin.distribution, component.name))
         return float(DEFAULT_OPTIMIZER_STATES if known is None else known)
+    declared = component.options_class.FORGE_LM_OPTIMIZER_STATES
     if isinstance(declared, bool) or not isinstance(declared, int | float) or not 0 <= declared < math.inf:
         raise PluginError(
             f"optimizer '{component.name}' from {component.plugin.label} declares {OPTIMIZER_STATES_ATTRIBUTE} = "

@@ -8,7 +8,7 @@ builds the optimizer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -45,6 +45,10 @@ def _patterns(instance: Any, attribute: Any, value: list[str]) -> None:
 @attrs.define
 class MuonOptions(LearningRateOptions):
     """Options of ``[optimizer] name = "muon"``; see the plugin's README for the rule that splits parameters."""
+
+    # State tensors per parameter, for Forge's memory estimate (forge_lm.components.DeclaresOptimizerStates):
+    # momentum on hidden matrices, AdamW's two moments elsewhere: at most 2.
+    FORGE_LM_OPTIMIZER_STATES: ClassVar[float] = 2
 
     # Muon, for hidden weight matrices.
     lr: float = attrs.field(default=0.02, validator=positive)
