@@ -27,7 +27,7 @@ The sides of each model, each built, measured and freed in turn (never two resid
 
 Each side runs ``--warmup`` then ``--rounds`` blocks of ``--steps`` steps; its figure is the
 median tokens/s, with the ratio to ``plain``, MFU (``forge_lm.model.flops`` FLOPs per token times
-tokens/s) over the GPU's dense bf16 peak in Forge's table (``forge_lm.metrics.mfu.GPU_PEAKS``)
+tokens/s) over the GPU's dense bf16 peak in Forge's table (``forge_lm.metrics.gpu_peaks.GPU_PEAKS``)
 and over the ``torch.mm`` bf16 rate measured here, its peak memory
 (``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` before its build) and its
 first step's loss (``forge`` and ``plain`` start from the same weights and batch: equal losses
@@ -66,7 +66,7 @@ from torch import nn
 from forge_lm.config import load_config
 from forge_lm.data.loader import BatchLoader
 from forge_lm.errors import ConfigError
-from forge_lm.metrics.mfu import gpu_peak_with_source
+from forge_lm.metrics.gpu_peaks import gpu_peak_with_source
 from forge_lm.model import build_model
 from forge_lm.model.flops import active_parameter_count, model_flops_per_token
 from forge_lm.plugins import PluginManager, PluginSettings

@@ -55,8 +55,9 @@ from _record import alternate, median, save
 from forge_lm.config import load_config, to_data
 from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed.reduce import agree_on_step
+from forge_lm.metrics.cpu_peak import CPUINFO_PATH, cpu_peak_flops, parse_cpuinfo, theoretical_cpu_peak
 from forge_lm.metrics.jsonl import read_metrics
-from forge_lm.metrics.mfu import CPUINFO_PATH, cpu_peak_flops, mfu, parse_cpuinfo, theoretical_cpu_peak
+from forge_lm.metrics.mfu import mfu
 from forge_lm.model import build_model
 from forge_lm.model.attention import EAGER_MAX_KEYS, attention_mask, eager_attention, uses_eager
 from forge_lm.model.linear import kernel as linear_kernel

@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 
-from forge_lm.metrics.mfu import gpu_peak_flops
+from forge_lm.metrics.gpu_peaks import gpu_peak_flops
 from forge_lm.plugins import PluginSettings
 
 from .conftest import BENCHMARKS, REPO

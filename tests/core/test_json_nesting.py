@@ -10,7 +10,7 @@ import pytest
 
 from forge_lm.data import prepare, shards
 from forge_lm.errors import ForgeError
-from forge_lm.metrics import mfu
+from forge_lm.metrics import measured_peak
 from forge_lm.tokenizers import hf as hf_tokenizer
 from forge_lm.train import run_dir, run_lock
 
@@ -59,7 +59,7 @@ def test_a_json_lines_input_line_is_refused_naming_file_and_line(tmp_path, hosti
 def test_the_peak_flops_cache_is_measured_again(tmp_path, hostile):
     path = tmp_path / "peak_flops.json"
     path.write_text(hostile)
-    assert mfu._read_cache(path) == {}
+    assert measured_peak._read_cache(path) == {}
 
 
 def test_a_tokenizer_config_falls_back_to_the_usual_end_token(tmp_path, hostile):

@@ -90,7 +90,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "llama_import": ("forge_lm.model.hf", "llama_import"),
     # Data, hardware, plots.
     "check_tokenizer": ("forge_lm.data.packing", "check_tokenizer"),
-    "cpu_multiplies_bf16": ("forge_lm.metrics.mfu", "cpu_multiplies_bf16"),
+    "cpu_multiplies_bf16": ("forge_lm.hardware", "cpu_multiplies_bf16"),
     "PlotPanel": ("forge_lm.metrics.plot_panels", "PlotPanel"),
 }
 
@@ -124,9 +124,9 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from forge_lm.distributed import ModelTransform, TransformContext  # noqa: F401
     from forge_lm.distributed.launch import is_main_process  # noqa: F401
     from forge_lm.events import record as record_event  # noqa: F401
+    from forge_lm.hardware import cpu_multiplies_bf16  # noqa: F401
     from forge_lm.losses.aux import collecting as collecting_aux  # noqa: F401
     from forge_lm.losses.aux import report_aux_loss, report_loss_term, report_metric  # noqa: F401
-    from forge_lm.metrics.mfu import cpu_multiplies_bf16  # noqa: F401
     from forge_lm.metrics.plot_panels import PlotPanel  # noqa: F401
     from forge_lm.model.attention import (  # noqa: F401
         Attention,

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from forge_lm import hardware
 from forge_lm.cli import _doctor
 from forge_lm.cli._doctor import _environment, _gpu, _paths
 from forge_lm.cli._main import main
-from forge_lm.metrics import mfu
 
 REAL_METADATA = _environment.distribution_metadata
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "packaging.md"
@@ -205,7 +205,7 @@ def test_gpu_without_nccl_fails_naming_the_fix(doctor, monkeypatch):
 )  # fmt: skip
 def test_the_precision_row_says_whether_bf16_pays_on_this_cpu(doctor, monkeypatch, bf16_units, precision, status, says):
     """The CPU's bf16 units stood in for, so the test means the same on every machine."""
-    monkeypatch.setattr(mfu, "cpu_multiplies_bf16", lambda: bf16_units)
+    monkeypatch.setattr(hardware, "cpu_multiplies_bf16", lambda: bf16_units)
 
     code, rows = doctor("--no-plugin-autoload", "--train.device=cpu", f"--train.precision={precision}")
 

@@ -10,18 +10,21 @@ import math
 import pytest
 import torch
 
+from forge_lm import hardware
 from forge_lm.errors import ConfigError
-from forge_lm.metrics import mfu as mfu_module
-from forge_lm.metrics.mfu import (
+from forge_lm.metrics import cpu_peak, measured_peak
+from forge_lm.metrics.cpu_peak import theoretical_cpu_peak
+from forge_lm.metrics.measured_peak import (
     CpuMeasurement,
     cache_path,
     cpu_cache_key,
     measure_cpu_flops,
+    remeasure_cpu_peak,
+)
+from forge_lm.metrics.mfu import (
     mfu,
     peak_flops,
     peak_with_source,
-    remeasure_cpu_peak,
-    theoretical_cpu_peak,
     world_peak_flops,
     world_peak_with_source,
 )
@@ -37,7 +40,7 @@ def cache_home(tmp_path, monkeypatch):
 def load(monkeypatch):
     """The 1-minute load of the other processes, on a 2-CPU machine: idle (0.1) unless changed."""
     current = [0.1]
-    monkeypatch.setattr(mfu_module, "machine_load", lambda: (current[0], 2))
+    monkeypatch.setattr(hardware, "machine_load", lambda: (current[0], 2))
     return current
 
 
@@ -51,9 +54,9 @@ def measurements(monkeypatch, load):
         calls.append(dtype)
         return CpuMeasurement(flops=1e11 * len(calls), size=2048, repeats=7, threads=4)
 
-    monkeypatch.setattr(mfu_module, "measure_cpu", fake_measure)
-    monkeypatch.setattr(mfu_module, "theoretical_cpu_peak", lambda dtype: (None, "no cpufreq"))
-    monkeypatch.setattr(mfu_module, "_BUSY_MEASUREMENTS", {})
+    monkeypatch.setattr(measured_peak, "measure_cpu", fake_measure)
+    monkeypatch.setattr(cpu_peak, "theoretical_cpu_peak", lambda dtype: (None, "no cpufreq"))
+    monkeypatch.setattr(measured_peak, "_BUSY_MEASUREMENTS", {})
     return calls
 
 
@@ -218,13 +221,13 @@ def test_cpu_peak_is_measured_once_then_read_from_the_cache(cache_home, measurem
 
 
 def test_cpu_cache_key_names_the_cpu_threads_torch_and_dtype(monkeypatch):
-    monkeypatch.setattr(mfu_module, "cpu_model", lambda: "Example CPU @ 3.0GHz")
+    monkeypatch.setattr(hardware, "cpu_model", lambda: "Example CPU @ 3.0GHz")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 6)
 
     expected = f"Example CPU @ 3.0GHz | threads=6 | torch={torch.__version__} | bf16 | torch.mm"
     assert cpu_cache_key(torch.bfloat16) == expected
     # the kernels measured are part of the key: a peak cached before oneDNN joined is not reused
-    assert cpu_cache_key(torch.float32).endswith("| fp32 | " + "+".join(mfu_module.matmul_kernels(torch.float32)))
+    assert cpu_cache_key(torch.float32).endswith("| fp32 | " + "+".join(measured_peak.matmul_kernels(torch.float32)))
 
 
 def test_a_different_thread_count_is_measured_anew_and_both_are_kept(cache_home, measurements, monkeypatch):
@@ -275,8 +278,8 @@ def test_the_measurement_times_square_matmuls_of_the_size_it_chose(monkeypatch):
         now[0] += 2 * a.shape[0] ** 3 / 1e10
         return a
 
-    monkeypatch.setattr(mfu_module.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(mfu_module, "matmul_kernels", lambda dtype: {"torch.mm": fake_mm})
+    monkeypatch.setattr(measured_peak.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(measured_peak, "matmul_kernels", lambda dtype: {"torch.mm": fake_mm})
 
     rate = measure_cpu_flops(torch.float32)
 
@@ -298,8 +301,10 @@ def test_the_peak_is_the_fastest_kernel_a_layer_can_take(monkeypatch):
 
         return product
 
-    monkeypatch.setattr(mfu_module.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(mfu_module, "matmul_kernels", lambda dtype: {"slow": kernel_at(1e10), "fast": kernel_at(2e10)})
+    monkeypatch.setattr(measured_peak.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(
+        measured_peak, "matmul_kernels", lambda dtype: {"slow": kernel_at(1e10), "fast": kernel_at(2e10)}
+    )
 
     assert measure_cpu_flops(torch.float32) == pytest.approx(2e10)
 
@@ -307,9 +312,9 @@ def test_the_peak_is_the_fastest_kernel_a_layer_can_take(monkeypatch):
 def test_fp32_measures_the_onednn_product_of_forge_linear_layers():
     from forge_lm.model.linear import onednn_available
 
-    kernels = mfu_module.matmul_kernels(torch.float32)
+    kernels = measured_peak.matmul_kernels(torch.float32)
     assert ("oneDNN linear" in kernels) == onednn_available()
-    assert list(mfu_module.matmul_kernels(torch.bfloat16)) == ["torch.mm"]
+    assert list(measured_peak.matmul_kernels(torch.bfloat16)) == ["torch.mm"]
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     for product in kernels.values():  # every kernel computes the same product's FLOPs: a @ b (or b.T)
         out = product(a, b)
@@ -342,7 +347,7 @@ def test_each_peak_says_where_it_came_from(monkeypatch, cache_home, measurements
 
 def test_a_theoretical_cpu_peak_is_used_without_measuring(monkeypatch, cache_home, measurements):
     source = "theoretical: 2 cores x 3.70 GHz x 64 FLOP/cycle (AVX-512, 2 FMA units)"
-    monkeypatch.setattr(mfu_module, "theoretical_cpu_peak", lambda dtype: (4.736e11, source))
+    monkeypatch.setattr(cpu_peak, "theoretical_cpu_peak", lambda dtype: (4.736e11, source))
 
     assert peak_with_source("cpu", None) == (4.736e11, source)
     assert measurements == []
@@ -476,7 +481,7 @@ def test_a_busy_measurement_is_used_for_this_run_only_and_not_cached(cache_home,
     assert warning.startswith("forge: warning: the CPU peak for MFU was measured while busy")
     assert "used for this run only" in warning
     assert peak_with_source("cpu", torch.float32) == (1e11, source)  # reused by this process, not measured
-    mfu_module._BUSY_MEASUREMENTS.clear()  # as in the next process
+    measured_peak._BUSY_MEASUREMENTS.clear()  # as in the next process
     load[0] = 0.2  # idle now: the next run measures again, and this time caches
     assert peak_with_source("cpu", torch.float32)[0] == 2e11
     assert json.loads(cache_path().read_text()) == {cpu_cache_key(torch.float32): entry(2e11)}
@@ -511,7 +516,7 @@ def test_remeasuring_on_a_busy_machine_leaves_no_entry(cache_home, measurements,
 
     assert json.loads(cache_path().read_text()) == {}
     assert peak_flops("cpu", torch.float32) == 2e11  # this process keeps its busy measurement
-    mfu_module._BUSY_MEASUREMENTS.clear()  # the next process
+    measured_peak._BUSY_MEASUREMENTS.clear()  # the next process
     load[0] = 0.0
     assert peak_flops("cpu", torch.float32) == 3e11  # measured again rather than the wrong value
 
@@ -526,8 +531,8 @@ def test_a_bare_number_from_an_older_cache_is_measured_again(cache_home, measure
 
 
 def test_machine_load_leaves_out_this_process(monkeypatch):
-    monkeypatch.setattr(mfu_module.os, "getloadavg", lambda: (3.0, 2.0, 1.0))
-    monkeypatch.setattr(mfu_module.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(mfu_module, "_own_load", lambda: 1.0)
+    monkeypatch.setattr(hardware.os, "getloadavg", lambda: (3.0, 2.0, 1.0))
+    monkeypatch.setattr(hardware.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(hardware, "_own_load", lambda: 1.0)
 
-    assert mfu_module.machine_load() == (2.0, 4)
+    assert hardware.machine_load() == (2.0, 4)

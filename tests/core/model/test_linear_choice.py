@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from forge_lm.metrics import mfu
+from forge_lm import hardware
 from forge_lm.model import linear_choice
 from forge_lm.model.linear_choice import MARGIN, choose, measure
 
@@ -19,7 +19,7 @@ SHAPES = [(64, 32, 48), (64, 48, 32)]
 def _fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(linear_choice, "_MADE", {})
-    monkeypatch.setattr(mfu, "machine_load", lambda: (0.0, 2))  # idle unless a test says otherwise
+    monkeypatch.setattr(hardware, "machine_load", lambda: (0.0, 2))  # idle unless a test says otherwise
 
 
 def timer_with(onednn_s: float, aten_s: float, calls: list | None = None):
@@ -61,7 +61,7 @@ def test_an_idle_measurement_is_cached_for_this_host_and_reused_by_the_next_proc
     assert "measured now" in first.reason
     cached = json.loads((tmp_path / "cache" / "forge_lm" / "linear_kernel.json").read_text())
     (key,) = cached
-    assert mfu.cpu_model() in key
+    assert hardware.cpu_model() in key
     assert cached[key]["onednn"] is True
     linear_choice._MADE.clear()  # a new process: only the disk cache is left
 
@@ -74,7 +74,7 @@ def test_an_idle_measurement_is_cached_for_this_host_and_reused_by_the_next_proc
 
 
 def test_a_measurement_on_a_busy_machine_serves_this_process_only(monkeypatch, tmp_path):
-    monkeypatch.setattr(mfu, "machine_load", lambda: (4.0, 2))
+    monkeypatch.setattr(hardware, "machine_load", lambda: (4.0, 2))
     choice = choose(SHAPES, timer_with(2.0, 1.0))
     assert choice.onednn is False
     assert "measured while busy (load 4.0), not cached" in choice.reason

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from forge_lm.config import ModelSection
-from forge_lm.metrics.mfu import cpu_multiplies_bf16
+from forge_lm.hardware import cpu_multiplies_bf16
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager
 from forge_optim_muon import optimizer as muon_module

@@ -239,6 +239,55 @@ class LossScaleSection:
 
 
 @attrs.frozen
+class BatchRampSection:
+    """``[train.batch_ramp]``: the global batch grows from ``start_batch_size`` to the configured one
+    (batch_size x grad_accum_steps x data-parallel ranks) by adding micro-batches per step, so
+    memory stays flat (forge_lm.train.batch_ramp). Unset ``start_batch_size``: no ramp."""
+
+    start_batch_size: int | None = attrs.field(
+        default=None,
+        validator=positive,
+        metadata=_doc(
+            "Global batch of the first step, in sequences: a multiple of batch_size x data-parallel ranks, below "
+            "the full batch; unset = no ramp."
+        ),
+    )
+    increment: int | None = attrs.field(
+        default=None,
+        validator=positive,
+        metadata=_doc(
+            "Sequences the global batch grows by at each increase, a multiple of batch_size x data-parallel "
+            "ranks that divides the growth; unset = batch_size x data-parallel ranks (one micro-batch per rank)."
+        ),
+    )
+    ramp_steps: int = attrs.field(
+        default=0,
+        validator=non_negative,
+        metadata=_doc("Optimizer steps over which the batch reaches the full size (set this or ramp_tokens)."),
+    )
+    ramp_tokens: int = attrs.field(
+        default=0,
+        validator=non_negative,
+        metadata=_doc("Tokens trained over which the batch reaches the full size (set this or ramp_steps)."),
+    )
+    lr_scaling: str = attrs.field(
+        default="none",
+        validator=one_of("none", "linear", "sqrt"),
+        metadata=_doc(
+            "The learning rate of a smaller batch: 'none' as scheduled, 'linear' times batch / full batch, "
+            "'sqrt' times its square root."
+        ),
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.start_batch_size is None:
+            return
+        if (self.ramp_steps > 0) == (self.ramp_tokens > 0):
+            both = "both are set" if self.ramp_steps else "neither is set"
+            raise FieldError("ramp_steps", f"set exactly one of ramp_steps and ramp_tokens ({both})")
+
+
+@attrs.frozen
 class TrainSection:
     output_dir: str = attrs.field(
         default="runs/default",
@@ -276,6 +325,10 @@ class TrainSection:
     )
     loss_scale: LossScaleSection = attrs.field(
         factory=LossScaleSection, metadata=_doc("The dynamic loss scaler of precision = 'fp16'.")
+    )
+    batch_ramp: BatchRampSection = attrs.field(
+        factory=BatchRampSection,
+        metadata=_doc("Grow the global batch from a start size to the full one ([train.batch_ramp]); off by default."),
     )
     compile: bool = attrs.field(
         default=False, metadata=_doc("torch.compile each transformer block (before FSDP2 wraps it).")
@@ -624,6 +677,40 @@ class ResilienceSection:
             "per device) and stop naming any rank that fails or is far slower than the others."
         ),
     )
+    spike_policy: str = attrs.field(
+        default="off",
+        validator=one_of("off", "skip", "rollback"),
+        metadata=_doc(
+            "On a loss spike (spike_metric above mean + spike_sigmas x std of the last spike_window steps): 'skip' "
+            "the step (no optimizer or scheduler update, its batches not trained on), 'rollback' to the newest "
+            "checkpoint and go on past the batches read since, or 'off'."
+        ),
+    )
+    spike_metric: str = attrs.field(
+        default="loss",
+        validator=one_of("loss", "grad_norm"),
+        metadata=_doc("What is judged: the step's loss (the mean over the ranks) or its gradient norm (unclipped)."),
+    )
+    spike_window: int = attrs.field(
+        default=50,
+        validator=between(2, 100_000),
+        metadata=_doc("Steps in the running window; a step is judged once the window is full."),
+    )
+    spike_sigmas: float = attrs.field(
+        default=6.0,
+        validator=positive,
+        metadata=_doc("A spike is above the window's mean + this many (population) standard deviations."),
+    )
+    spike_warmup_steps: int = attrs.field(
+        default=100,
+        validator=non_negative,
+        metadata=_doc("Steps 1 to this are neither judged nor put in the window (the loss falls fast early on)."),
+    )
+    max_spike_steps: int = attrs.field(
+        default=5,
+        validator=positive,
+        metadata=_doc("Stop (exit 3) after this many spikes in a row: a loss that stays up is no spike."),
+    )
 
 
 @attrs.frozen
@@ -715,12 +802,49 @@ def check_cross_section(config: ForgeConfig) -> list[tuple[str, str]]:
                 "lower seq_len or raise max_seq_len",
             )
         )
+    problems.extend(_batch_ramp_problems(config))
     if config.train.precision == "fp16" and config.distributed.pp > 1:
         problems.append(
             (
                 "[train] precision",
                 "'fp16' is not supported with pipeline parallelism yet (the pipeline schedule runs the backward "
                 "itself and does not scale its loss); use 'bf16', or pp = 1",
+            )
+        )
+    return problems
+
+
+def _batch_ramp_problems(config: ForgeConfig) -> list[tuple[str, str]]:
+    """What [train.batch_ramp] needs of [train] and [distributed] that is known before the launch
+    (the data-parallel ranks are checked when the run starts: forge_lm.train.batch_ramp)."""
+    ramp, train = config.train.batch_ramp, config.train
+    if ramp.start_batch_size is None:
+        return []
+    problems = []
+    for key in ("start_batch_size", "increment"):
+        value = getattr(ramp, key)
+        if value is not None and value % train.batch_size:
+            problems.append(
+                (
+                    f"[train.batch_ramp] {key}",
+                    f"{value} is not a multiple of [train] batch_size ({train.batch_size}): the batch grows by "
+                    "whole micro-batches",
+                )
+            )
+    if train.grad_accum_steps == 1:
+        problems.append(
+            (
+                "[train.batch_ramp] start_batch_size",
+                "a ramp grows the batch through micro-batches per step, but [train] grad_accum_steps is 1: set "
+                "grad_accum_steps to the full batch's micro-batches per step",
+            )
+        )
+    if config.distributed.pp > 1:
+        problems.append(
+            (
+                "[train.batch_ramp] start_batch_size",
+                "a batch ramp is not supported with pipeline parallelism (the schedule's micro-batches are fixed); "
+                "leave start_batch_size unset, or pp = 1",
             )
         )
     return problems

@@ -8,7 +8,7 @@ and takes oneDNN only where it was at least :data:`MARGIN` faster; otherwise tor
 kernel, which is bitwise a plain PyTorch model's.
 
 The choice is cached on disk per CPU model, instruction set, thread count, torch version and
-shapes, beside the measured matmul peak (:mod:`forge_lm.metrics.mfu`), and only when the
+shapes, beside the measured matmul peak (:mod:`forge_lm.metrics.measured_peak`), and only when the
 machine was idle: a choice made under load serves this process alone. A process measures at
 most once per model (the in and out features of its products): every later run of that model
 in it reuses the choice whatever its batch, so runs in one process take the same kernel (a
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import attrs
 import torch
+
+from forge_lm import hardware
 
 MARGIN = 1.10
 """oneDNN must be this much faster (time ratio) to be chosen: a near tie keeps torch's kernel,
@@ -50,24 +52,23 @@ def choose(
 ) -> Choice:
     """Whether oneDNN should take the fp32 products of ``shapes`` (``(tokens, in_features,
     out_features)``), and why: the cached choice for this host, or one measured now."""
-    from forge_lm.metrics.mfu import BUSY_LOAD_FRACTION, cpu_model, machine_load
-
     key_shapes = tuple(sorted(set(shapes)))
     model_key = tuple(sorted({(features_in, features_out) for _, features_in, features_out in key_shapes}))
     if model_key in _MADE:
         return _MADE[model_key]
     flags = "+".join(_cpu_flags())
-    key = f"{cpu_model()} | {flags} | threads={torch.get_num_threads()} | torch={torch.__version__} | {key_shapes}"
+    model = hardware.cpu_model()
+    key = f"{model} | {flags} | threads={torch.get_num_threads()} | torch={torch.__version__} | {key_shapes}"
     path = cache_path()
     cached = _read(path).get(key)
     if _valid(cached):
         choice = Choice(cached["onednn"], f"{_verdict(cached)}, cached {cached['date']}")
         _MADE[model_key] = choice
         return choice
-    others, cpus = machine_load()  # before measuring: the measurement loads the machine itself
+    others, cpus = hardware.machine_load()  # before measuring: the measurement loads the machine itself
     onednn_s, aten_s = measure(key_shapes, timer or _time_product)
     entry = {"onednn": aten_s / onednn_s >= MARGIN, "onednn_s": onednn_s, "aten_s": aten_s}
-    if others is not None and others > BUSY_LOAD_FRACTION * cpus:
+    if hardware.is_busy(others, cpus):
         choice = Choice(entry["onednn"], f"{_verdict(entry)}, measured while busy (load {others:.1f}), not cached")
     else:
         entry["date"] = datetime.date.today().isoformat()
@@ -136,9 +137,7 @@ def _cpu_flags() -> list[str]:
 
 
 def cache_path() -> Path:
-    from forge_lm.metrics.mfu import cache_path as peak_cache
-
-    return peak_cache().with_name("linear_kernel.json")
+    return hardware.cache_dir() / "linear_kernel.json"
 
 
 def _valid(entry: object) -> bool:

@@ -52,8 +52,9 @@ from forge_lm.distributed.reduce import agree_on_step, mean_over_data_parallel, 
 from forge_lm.distributed.tensor_parallel import loss_parallel_for
 from forge_lm.errors import ConfigError
 from forge_lm.losses.aux import AuxCollector, collect_aux
+from forge_lm.metrics.measured_peak import remeasure_cpu_peak_with_source
 from forge_lm.metrics.memory import MemoryMetrics
-from forge_lm.metrics.mfu import is_measured, mfu, remeasure_cpu_peak_with_source, world_peak_with_source
+from forge_lm.metrics.mfu import is_measured, mfu, world_peak_with_source
 from forge_lm.model import build_model
 from forge_lm.model.capabilities import check_capabilities
 from forge_lm.model.flops import model_flops_per_token

@@ -46,7 +46,7 @@ def precision(context: Context) -> list[Check]:
     if context.config is None or context.torch is None:
         return []
     from forge_lm.errors import ForgeError
-    from forge_lm.metrics.mfu import cpu_multiplies_bf16
+    from forge_lm.hardware import cpu_multiplies_bf16
     from forge_lm.train.device import autocast_dtype, resolve_device
 
     setting = context.config.train.precision
@@ -89,7 +89,8 @@ def peak_flops(context: Context) -> list[Check]:
     if context.config is None or context.torch is None:
         return []
     from forge_lm.errors import ForgeError
-    from forge_lm.metrics.mfu import known_cpu_peak, peak_with_source
+    from forge_lm.metrics.cpu_peak import known_cpu_peak
+    from forge_lm.metrics.mfu import peak_with_source
     from forge_lm.train.device import autocast_dtype, resolve_device
 
     config = context.config

@@ -84,9 +84,9 @@ def cache_directory(context: Context) -> list[Check]:
     """Nothing without torch: the cache serves MFU, which only a training run (with torch) logs."""
     if context.torch is None:
         return []
-    from forge_lm.metrics.mfu import cache_path
+    from forge_lm.hardware import cache_dir
 
-    directory = cache_path().parent
+    directory = cache_dir()
     existing = _existing_ancestor(directory)
     try:
         if not existing.is_dir():
