@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
 
@@ -160,6 +160,51 @@ class StatefulDataset(Protocol):
 
 
 @runtime_checkable
+class SavesLocalState(Protocol):
+    """A dataset whose ``state_dict()`` talks to other ranks (a collective), and which also gives
+    this rank's position without one: a loader reading ahead in a background thread notes
+    ``local_state_dict()`` per batch, and ``load_state_dict`` restores it on the same rank."""
+
+    def local_state_dict(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """A learning-rate scheduler (a torch ``LRScheduler`` is one): ``step()`` once per optimizer
+    step, its position saved and restored with the checkpoint."""
+
+    def step(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class EvolvingGroupKeys(Protocol):
+    """An optimizer whose parameter groups carry values that change as training goes on (a step
+    count, an averaging weight) besides ``lr``, ``initial_lr`` and schedule-free AdamW's ``step``
+    and ``lr_sq_sum``: a resumed run restores these keys from the checkpoint, and takes every
+    other group value (a setting) from the optimizer built from its config."""
+
+    evolving_group_keys: tuple[str, ...]  # keys present in every parameter group
+
+
+@runtime_checkable
+class DeclaresOptimizerStates(Protocol):
+    """An optimizer's options class that says how many state tensors, each the size of its
+    parameter, the optimizer keeps per parameter (AdamW's ``exp_avg`` and ``exp_avg_sq``: 2), for
+    the memory estimate; an upper bound where it varies by parameter. Checked on the class::
+
+        @attrs.define
+        class MyOptions(LearningRateOptions):
+            FORGE_LM_OPTIMIZER_STATES: ClassVar[float] = 2
+    """
+
+    FORGE_LM_OPTIMIZER_STATES: ClassVar[float]
+
+
+@runtime_checkable
 class Evaluator(Protocol):
     """Runs at each evaluation of a training run (``eval.interval``, and at the end)."""
 
@@ -172,6 +217,16 @@ class Evaluator(Protocol):
         on the same inputs, in the same order, so the evaluator does not split its work
         across ranks. Rank 0's metrics are logged; values that are not numbers are left out
         with a warning."""
+
+
+@runtime_checkable
+class ReportsResults(Protocol):
+    """An evaluator that keeps the full results of its last ``evaluate`` call besides the metrics
+    it returns: ``results``, plain data a JSON file can hold (None before the first call), and
+    ``table``, the same results as text for a terminal. ``forge eval`` writes and prints them."""
+
+    results: Mapping[str, Any] | None
+    table: str
 
 
 @runtime_checkable
@@ -388,6 +443,16 @@ class ContextParallelModel(Protocol):
 
 
 @runtime_checkable
+class GenerationLimits(Protocol):
+    """A model that says which prompts it can continue: token ids in ``[0, vocab_size)``, and at
+    most ``max_seq_len`` tokens, the prompt and the new ones together. ``forge generate`` refuses
+    a prompt outside them with a message instead of an index error deep in the model."""
+
+    vocab_size: int
+    max_seq_len: int
+
+
+@runtime_checkable
 class DecodesWithCache(Protocol):
     """A model that generates token by token (``forge generate``, evaluators): ``forward`` takes
     ``kv_cache=`` and continues the tokens cached in it."""
@@ -420,6 +485,16 @@ class RotaryAttention(Protocol):
     (multi-head latent attention rotates only a part of each head)."""
 
     rope_dim: int
+
+
+@runtime_checkable
+class ContextParallelAttention(Protocol):
+    """An attention layer that gathers the keys and values of the context-parallel group when
+    ``context_parallel`` is set (None: it attends within its own tokens). ``[distributed] cp > 1``
+    sets it on every module that declares it, and is refused for a model whose blocks' attention
+    layers do not."""
+
+    context_parallel: Any
 
 
 @runtime_checkable
@@ -506,8 +581,7 @@ def parameter_roles(model: Any) -> dict[str, str]:
       output head tied to one (it appears once, under its first name, ``tok_embeddings.weight``);
     - ``"output"``: a weight of the model's output head: ``model.output`` on a Forge model (None
       on a pipeline stage without it), else the module ``model.get_output_embeddings()`` returns;
-    - ``"norm"``: a parameter of a normalisation layer (``nn.RMSNorm``, ``nn.LayerNorm``, or any
-      module whose class name ends in ``Norm``, such as Forge's own ``RMSNorm``);
+    - ``"norm"``: a parameter of a normalisation layer (:func:`is_norm_layer`);
     - ``"bias"``: any other parameter with fewer than 2 dimensions (biases, scalar gates);
     - ``"matrix"``: every other parameter (2-D and higher weights: attention and feed-forward
       projections, stacked expert weights, router weights).
@@ -532,7 +606,7 @@ def parameter_roles(model: Any) -> dict[str, str]:
             role = "embedding"
         elif head is not None and module is head:
             role = "output"
-        elif isinstance(module, nn.LayerNorm | nn.RMSNorm) or type(module).__name__.endswith("Norm"):
+        elif is_norm_layer(module):
             role = "norm"
         else:
             continue
@@ -546,3 +620,28 @@ def parameter_roles(model: Any) -> dict[str, str]:
             role = "bias"  # a head's bias is a bias
         roles[name] = role or ("bias" if param.ndim < 2 else "matrix")
     return roles
+
+
+def is_norm_layer(module: Any) -> bool:
+    """Whether ``module`` is a normalisation layer: one of torch's (``nn.LayerNorm``,
+    ``nn.RMSNorm``, ``nn.GroupNorm``, the batch norms) or a module whose class name ends in
+    ``Norm`` (Forge's ``RMSNorm``, Hugging Face's ``LlamaRMSNorm``). The one rule for both the
+    default initialisation (scales 1) and :func:`parameter_roles` (``"norm"``), so a layer is
+    never a norm to one and a matrix to the other. Imports torch on call only."""
+    from torch import nn
+
+    torch_norms = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+    return isinstance(module, torch_norms) or type(module).__name__.endswith("Norm")
+
+
+def protocol_methods(protocol: type) -> tuple[str, ...]:
+    """The methods a protocol of this module declares, in declaration order (its data members
+    are not included): what the core checks a plugin's object for (``_contracts.py``)."""
+    own = [
+        name
+        for klass in reversed(protocol.__mro__)
+        if klass not in (object, Protocol) and getattr(klass, "_is_protocol", False)
+        for name, value in vars(klass).items()
+        if callable(value) and (not name.startswith("_") or name == "__iter__")
+    ]
+    return tuple(dict.fromkeys(own))

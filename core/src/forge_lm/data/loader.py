@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from forge_lm.components import IGNORE_INDEX
+from forge_lm.components import IGNORE_INDEX, SavesLocalState
 from forge_lm.errors import ForgeError
 
 
@@ -137,9 +137,8 @@ def local_state(dataset: Any) -> tuple[Any, bool]:
     else its ``state_dict()``. A dataset whose ``state_dict()`` talks to other ranks offers
     ``local_state_dict()``: this rank's position without any collective, which its
     ``load_state_dict`` restores on the same rank."""
-    local = getattr(dataset, "local_state_dict", None)
-    if callable(local):
-        return local(), True
+    if isinstance(dataset, SavesLocalState) and callable(dataset.local_state_dict):
+        return dataset.local_state_dict(), True
     return dataset.state_dict(), False
 
 

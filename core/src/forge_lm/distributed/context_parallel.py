@@ -22,6 +22,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from forge_lm.components import ContextParallelAttention
+
 # The batch entries laid out along the sequence (dimension 1) that each rank slices.
 SEQUENCE_KEYS = ("input_ids", "labels", "document_ids")
 
@@ -103,5 +105,5 @@ def enable_context_parallel(model: torch.nn.Module, context_parallel: ContextPar
     attention layers that gather keys and values) gets the group too."""
     model.context_parallel = context_parallel
     for module in model.modules():
-        if module is not model and hasattr(module, "context_parallel"):
+        if module is not model and isinstance(module, ContextParallelAttention):
             module.context_parallel = context_parallel

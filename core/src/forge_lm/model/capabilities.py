@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from forge_lm.components import (
+    ContextParallelAttention,
     ContextParallelModel,
     PipelineSplittable,
     ShardedByBlocks,
@@ -98,7 +99,7 @@ def _context_parallel_problems(model: nn.Module, blocks: list[nn.Module] | None,
     if (
         blocks is None
         or not isinstance(model, ContextParallelModel)
-        or not all(hasattr(a, "context_parallel") for a in attentions)
+        or not all(isinstance(a, ContextParallelAttention) for a in attentions)
     ):
         return [
             f"[distributed] cp = {cp} needs a model whose forward takes positions and whose attention layers gather "

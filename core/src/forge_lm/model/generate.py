@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from forge_lm.components import DecodesWithCache
+from forge_lm.components import DecodesWithCache, GenerationLimits
 from forge_lm.errors import ForgeError
 
 
@@ -122,12 +122,12 @@ def _check_arguments(
         raise ForgeError(f"top_k must be >= 1 (or unset), got {top_k}.")
     if top_p is not None and not 0 < top_p <= 1:
         raise ForgeError(f"top_p must be in (0, 1] (or unset), got {top_p}.")
-    vocab = getattr(model, "vocab_size", None)
-    if vocab is not None and not all(0 <= t < vocab for t in prompt):
+    if not isinstance(model, GenerationLimits):  # a family that declares no limits: its own errors stand
+        return
+    vocab, limit = model.vocab_size, model.max_seq_len
+    if not all(0 <= t < vocab for t in prompt):
         raise ForgeError(f"the prompt has token ids outside the model's vocabulary [0, {vocab}).")
-    config = getattr(model, "config", None)
-    limit = getattr(config, "max_seq_len", None)
-    if limit is not None and len(prompt) + max_new_tokens > limit:
+    if len(prompt) + max_new_tokens > limit:
         raise ForgeError(
             f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
             f"max_seq_len ({limit}); lower max_new_tokens or shorten the prompt."

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from forge_lm.components import InitializesWeights
+from forge_lm.components import InitializesWeights, is_norm_layer
 from forge_lm.errors import ForgeError, PluginError
 
 CHUNK_ELEMENTS = 1 << 20
@@ -197,7 +197,7 @@ class Initializer:
                 self.zeros(tensor)
             elif isinstance(module, nn.Linear | nn.Embedding):
                 self.normal(tensor, self.std)
-            elif isinstance(module, nn.LayerNorm | nn.RMSNorm) or "Norm" in type(module).__name__:
+            elif is_norm_layer(module):  # the rule parameter_roles uses too
                 self.ones(tensor)
         for child in module.children():
             self.module(child)

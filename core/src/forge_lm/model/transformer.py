@@ -212,6 +212,11 @@ class Transformer(nn.Module):
             init.normal(self.output.weight, init.std)
         self.rope.init_weights(init)
 
+    @property
+    def max_seq_len(self) -> int:
+        """[model] max_seq_len, the longest sequence it takes (:class:`~forge_lm.components.GenerationLimits`)."""
+        return self.config.max_seq_len
+
     def new_kv_cache(self, max_len: int | None = None) -> KVCache:
         """An empty cache for up to ``max_len`` tokens (default ``max_seq_len``)."""
         return KVCache(max_len if max_len is not None else self.config.max_seq_len)

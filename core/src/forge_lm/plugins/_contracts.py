@@ -4,16 +4,18 @@ A factory's return value is untrusted: one that returns None, or an object witho
 methods the core calls, would otherwise fail later, at a place that names someone else (the
 scheduler built from a broken optimizer) or in the middle of training. :data:`CONTRACTS`
 holds, per category, a check of the object's basic shape (types and methods only: nothing is
-called); :func:`contract_problem` says what is wrong, and
-:meth:`forge_lm.plugins.Component.build_for_run` turns that into a PluginError naming the
-component and its plugin. Categories without an entry are checked where they are used
-(feed-forward layers, routers and model transforms).
+called; the methods are those of the category's protocol in :mod:`forge_lm.components`);
+:func:`contract_problem` says what is wrong, and :meth:`forge_lm.plugins.Component.build_for_run`
+turns that into a PluginError naming the component and its plugin. Categories without an entry
+are checked where they are used (feed-forward layers, routers and model transforms).
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+
+from forge_lm.components import Evaluator, MetricsBackend, Scheduler, StatefulDataset, protocol_methods
 
 
 def _short_type(value: object) -> str:
@@ -36,7 +38,11 @@ def _lacking(value: object, missing: list[str]) -> str:
     return "None" if value is None else f"a {type(value).__name__} without {', '.join(missing)}"
 
 
-def _methods(expected: str, *methods: str) -> Callable[[object], str | None]:
+def _protocol(protocol: type, expected: str) -> Callable[[object], str | None]:
+    """A check for the methods ``protocol`` (of :mod:`forge_lm.components`) declares, so the
+    list the core checks and the contract plugins read are one."""
+    methods = protocol_methods(protocol)
+
     def check(value: object) -> str | None:
         missing = _missing(value, methods)
         if not missing:
@@ -60,8 +66,9 @@ def _loss(value: object) -> str | None:
 
 
 def _dataset(value: object) -> str | None:
-    missing = _missing(value, ("state_dict", "load_state_dict"))
-    if not callable(getattr(type(value), "__iter__", None)):
+    methods = protocol_methods(StatefulDataset)
+    missing = _missing(value, tuple(name for name in methods if name != "__iter__"))
+    if not callable(getattr(type(value), "__iter__", None)):  # iter() looks on the type, not the instance
         missing.insert(0, "__iter__()")
     if not missing:
         return None
@@ -71,16 +78,13 @@ def _dataset(value: object) -> str | None:
 
 CONTRACTS: dict[str, Callable[[object], str | None]] = {
     "optimizers": _optimizer,
-    "schedulers": _methods(
-        "a scheduler with step(), state_dict() and load_state_dict(state) (a torch LRScheduler)",
-        "step",
-        "state_dict",
-        "load_state_dict",
+    "schedulers": _protocol(
+        Scheduler, "a scheduler with step(), state_dict() and load_state_dict(state) (a torch LRScheduler)"
     ),
     "losses": _loss,
     "datasets": _dataset,
-    "evaluators": _methods("an evaluator with evaluate(model, step) -> dict[str, float]", "evaluate"),
-    "metrics_backends": _methods("a metrics backend with start(), log() and finish()", "start", "log", "finish"),
+    "evaluators": _protocol(Evaluator, "an evaluator with evaluate(model, step) -> dict[str, float]"),
+    "metrics_backends": _protocol(MetricsBackend, "a metrics backend with start(), log() and finish()"),
 }
 
 

@@ -110,6 +110,11 @@ class Llava(nn.Module):
         """The tower's blocks, then the language model's: each an FSDP2 unit, checkpointed alone."""
         return [*self.vision.blocks, *self.language.blocks()]
 
+    @property
+    def max_seq_len(self) -> int:
+        """The language model's longest sequence (forge_lm.components.GenerationLimits, with vocab_size)."""
+        return self.config.max_seq_len
+
     def new_kv_cache(self, max_len: int | None = None) -> Any:
         return self.language.new_kv_cache(max_len)
 

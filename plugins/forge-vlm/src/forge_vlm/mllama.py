@@ -101,6 +101,11 @@ class CrossAttentionModel(nn.Module):
         vision = list(self.vision.blocks) if self.vit else self.vision.blocks()
         return [*self.language.blocks(), *vision]
 
+    @property
+    def max_seq_len(self) -> int:
+        """The language model's longest sequence (forge_lm.components.GenerationLimits, with vocab_size)."""
+        return self.config.max_seq_len
+
     def new_kv_cache(self, max_len: int | None = None) -> CrossAttentionCache:
         return CrossAttentionCache(max_len if max_len is not None else self.config.max_seq_len)
 
