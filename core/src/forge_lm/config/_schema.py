@@ -370,6 +370,37 @@ class TrainSection:
 
 
 @attrs.frozen
+class CompressionSection:
+    """``[distributed.compression]``: the gradient reduction across HSDP's replicas (``dp_replicate``)
+    as low-rank factors (PowerSGD, with error feedback); see docs/distributed.md."""
+
+    method: str = attrs.field(
+        default="none",
+        validator=one_of("none", "powersgd"),
+        metadata=_doc(
+            "'powersgd': average the gradients across the dp_replicate ranks as rank-`rank` factors (needs "
+            "dp_replicate >= 2; not with tp, pp, cp, ep or fp16); 'none': FSDP2's own all-reduce."
+        ),
+    )
+    rank: int = attrs.field(
+        default=4,
+        validator=positive,
+        metadata=_doc("Rank of the factors: a matrix sends (rows + columns) x rank numbers instead of rows x columns."),
+    )
+    warmup_steps: int = attrs.field(
+        default=10,
+        validator=non_negative,
+        metadata=_doc("Optimizer steps reduced uncompressed first (torch's start_powerSGD_iter)."),
+    )
+    error_feedback: bool = attrs.field(
+        default=True,
+        metadata=_doc(
+            "Add what compression left out of this rank's gradient to its next one (kept in the checkpoint)."
+        ),
+    )
+
+
+@attrs.frozen
 class DistributedSection:
     """How the ranks of a ``torchrun`` launch split the work: their product is the world size.
 
@@ -415,6 +446,18 @@ class DistributedSection:
         default="1f1b",
         validator=one_of("1f1b", "gpipe"),
         metadata=_doc("Pipeline schedule; its microbatches are [train] grad_accum_steps."),
+    )
+    reduce_dtype: str = attrs.field(
+        default="fp32",
+        validator=one_of("fp32", "bf16"),
+        metadata=_doc(
+            "Precision of FSDP2's gradient reduce-scatter and HSDP's all-reduce: 'bf16' sends half the bytes; "
+            "no effect without data parallelism (one process, or tp/pp alone)."
+        ),
+    )
+    compression: CompressionSection = attrs.field(
+        factory=CompressionSection,
+        metadata=_doc("Low-rank (PowerSGD) reduction across the dp_replicate ranks ([distributed.compression])."),
     )
     timeout: float = attrs.field(
         default=600.0,

@@ -30,7 +30,10 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from forge_lm.components import OwnFSDPUnit
+from forge_lm.distributed.compression import build_compressor
 from forge_lm.distributed.transforms import ModelTransform, TransformContext, transformer_blocks
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # [distributed] reduce_dtype
 
 
 def _enabled(context: TransformContext) -> bool:
@@ -42,8 +45,13 @@ def _apply(model: nn.Module, context: TransformContext) -> None:
     names = ("dp_replicate", "dp_shard") if dims.dp_replicate > 1 else ("dp_shard",)
     if dims.cp > 1:  # parameters are sharded over the sequence-splitting ranks too (dp_replicate = 1 then)
         names = ("dp_shard_cp",)
+    compressor = build_compressor(context)  # [distributed.compression]; None unless asked for
+    if compressor is not None:  # sharded over dp_shard alone: its hook reduces across the replicas
+        names = ("dp_shard",)
     mesh = context.submesh(*names)
-    policy = MixedPrecisionPolicy(param_dtype=context.dtype, reduce_dtype=torch.float32) if context.dtype else None
+    reduce_dtype = REDUCE_DTYPES[context.config.distributed.reduce_dtype]
+    low_precision = context.dtype is not None or reduce_dtype != torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=context.dtype, reduce_dtype=reduce_dtype) if low_precision else None
     common = {"mp_policy": policy} if policy is not None else {}
     # Under pipeline parallelism every microbatch would gather the weights again: keep them.
     reshard = dims.pp == 1
@@ -60,6 +68,10 @@ def _apply(model: nn.Module, context: TransformContext) -> None:
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **common)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **common)
+    if compressor is not None:
+        blocks = set(transformer_blocks(model))
+        units = [(name, module) for name, module in model.named_modules() if module in blocks]
+        compressor.install(model, [*units, ("", model)])
     # FSDP2 warns when a unit returns a view: an in-place op on that view would skip the unit's
     # pre-backward hook. A block's output (the residual stream) and the model's (the logits) are
     # only ever read out of place in Forge, so for these two units the warning is noise; other

@@ -23,6 +23,7 @@ import attrs
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from forge_lm.config import DistributedSection, ForgeConfig, model_options
+from forge_lm.distributed.compression import compression_problems
 from forge_lm.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "tp")
@@ -149,6 +150,7 @@ class ParallelDims:
                 )
         if self.cp > 1:
             problems.extend(_context_parallel_problems(self, config))
+        problems.extend(compression_problems(config, self))  # [distributed.compression] on this layout
         if config.eval.evaluators and config.eval.interval:
             # An evaluator calls the whole model's forward on whole sequences: a pipeline stage holds
             # a part of the model, and under context parallelism the model takes slices of sequences.

@@ -34,6 +34,7 @@ from forge_lm.checkpoint._state import TRAINER_STATE, check_like
 from forge_lm.config import structure_config, to_data
 from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed import is_main_process
+from forge_lm.distributed.compression import compressor_of
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.model.freezing import staged_parameters_trainable
 from forge_lm.plugins import PluginHookFailed, PluginManager, PluginStatus
@@ -92,6 +93,9 @@ def save_run(checkpoints: CheckpointManager, context: Any, train_batches: BatchL
     scaler = getattr(context, "loss_scaler", None)
     if scaler is not None:  # precision = "fp16": the scale goes on where it was
         state["loss_scale"] = scaler.state_dict()
+    compressor = compressor_of(context.model)
+    if compressor is not None:  # [distributed.compression]: each rank's error feedback and warm start
+        state["grad_compression"] = compressor.state_dict()
     checkpoints.save(context.step, context.model, context.optimizer, state)
 
 
@@ -116,6 +120,11 @@ def restore_run(
         scaler_state = None  # absent: a checkpoint of a bf16/fp32 run; the scale starts at init_scale
         if scaler is not None and "loss_scale" in state:
             scaler_state = scaler.checked_state(state["loss_scale"])  # before anything is loaded
+        compressor = compressor_of(context.model)
+        if compressor is not None:  # a damaged state raises ValueError: the checkpoint is passed over
+            note = compressor.load_state_dict(state.get("grad_compression"))
+            if note is not None:
+                _warn(f"gradient compression: {note}")
         if "scheduler" in state:  # absent in an imported model's step 0: schedule and data start fresh
             with _naming(context, "scheduler"):
                 check_like(
