@@ -29,7 +29,7 @@ from bench_train import ForgeSide
 
 from forge_lm.checkpoint import CheckpointManager
 from forge_lm.plugins import PluginSettings
-from forge_lm.train.run_state import save_run
+from forge_lm.train.run_state import StateShapes, save_run
 
 
 def directory_bytes(path: Path) -> int:
@@ -59,13 +59,14 @@ def main() -> None:
             "async": CheckpointManager(workdir / "async", keep_last_n=2, async_save=True),
         }
         loader, manager, context = side.loader, side.manager, side.context
+        shapes = StateShapes(context.scheduler, loader)  # as the run holds them: every save is checked against them
         saves = {"sync": 0, "async": 0}
         extra: dict[str, list[float]] = {"async write done": [], "step during async write": []}
 
         def checkpoint(kind: str) -> None:
             saves[kind] += 1
             context.step = saves[kind]  # a new step_<N> each time (a save of the newest one is skipped)
-            save_run(managers[kind], context, loader, manager)
+            save_run(managers[kind], context, loader, manager, shapes)
 
         def sync_save() -> float:
             begin = time.perf_counter()

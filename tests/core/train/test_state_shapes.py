@@ -1,7 +1,8 @@
 """Every save checks the scheduler's and the dataset's states against the shapes a resume will
-demand (train.run_state): a state that changed shape since the component was built is refused
-at that save, naming the component and its plugin, instead of making every checkpoint of the
-run unusable. And a resume that passes over a checkpoint for such a state names the component."""
+demand (train.run_state.StateShapes, which the run holds): a state that changed shape since the
+component was built is refused at that save, naming the component and its plugin, instead of
+making every checkpoint of the run unusable. And a resume that passes over a checkpoint for such
+a state names the component."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from forge_lm.data.loader import BatchLoader
 from forge_lm.data.synthetic import SyntheticTokens
 from forge_lm.errors import ForgeError
 from forge_lm.plugins import PluginHookFailed, PluginInfo
-from forge_lm.train import loop, run_state, train
-from forge_lm.train.run_state import ComponentStateBug, note_built, save_run
+from forge_lm.train import run_state, train
+from forge_lm.train.run_state import ComponentStateBug, StateShapes, save_run
 
 
 class _Data(SyntheticTokens):
@@ -36,27 +37,7 @@ class _ShapeShifter:
         register("shifting", lambda options, context: _Data(context), description="changes its state's shape")
 
 
-@pytest.fixture
-def noting_loop(monkeypatch):
-    """The loop with the hook run_state asks of it: ``note_built(context, train_batches)`` right
-    after the TrainContext is made, before any step or resume."""
-    built = {}
-    real_build, real_context = loop._build, loop.TrainContext
-
-    def build(config, manager):
-        built["parts"] = real_build(config, manager)
-        return built["parts"]
-
-    def context(*args, **kwargs):
-        made = real_context(*args, **kwargs)
-        note_built(made, built["parts"].train_batches)
-        return made
-
-    monkeypatch.setattr(loop, "_build", build)
-    monkeypatch.setattr(loop, "TrainContext", context)
-
-
-def test_a_dataset_state_that_changes_shape_before_the_first_save_is_refused_there(tiny_config, manager, noting_loop):
+def test_a_dataset_state_that_changes_shape_before_the_first_save_is_refused_there(tiny_config, manager):
     manager.add_plugin(_ShapeShifter(), "shifter", distribution="forge-shifter", version="1.0")
     config = tiny_config("--data.name=shifting", "--train.max_steps=4", "--checkpoint.interval=2", "--eval.interval=0")
     with pytest.raises(PluginHookFailed) as caught:
@@ -72,7 +53,7 @@ def test_a_dataset_state_that_changes_shape_before_the_first_save_is_refused_the
     assert not list((Path(config.train.output_dir) / "checkpoints").glob("step_*"))  # nothing half-written
 
 
-def test_a_well_behaved_run_saves_and_resumes_with_the_check(tiny_config, manager, noting_loop):
+def test_a_well_behaved_run_saves_and_resumes_with_the_check(tiny_config, manager):
     config = tiny_config("--train.max_steps=4", "--checkpoint.interval=2", "--eval.interval=0")
     assert train(config, manager).steps == 4
 
@@ -127,10 +108,10 @@ def test_a_core_component_breaking_the_rule_is_reported_as_a_forge_bug():
     context = _context(core, scheduler)
     loader = BatchLoader(_Dataset(), 2, 8, "the data")
     checkpoints = _Checkpoints()
-    note_built(context, loader)
+    shapes = StateShapes(scheduler, loader)
     scheduler.state = {"last_epoch": 0, "base_lrs": [0.1], "grown": 1}
     with pytest.raises(ComponentStateBug) as caught:
-        save_run(checkpoints, context, loader, SimpleNamespace())
+        save_run(checkpoints, context, loader, SimpleNamespace(), shapes)
     message = str(caught.value)
     assert message.startswith("the core's scheduler 'cosine', whose state at step 6 a resume could not load")
     assert "This is a bug in Forge (forge-lm 9.9)" in message
@@ -143,8 +124,8 @@ def test_the_reference_is_a_copy_not_the_live_state():
     scheduler = _Scheduler()
     context = _context(plugin, scheduler)
     loader = BatchLoader(_Dataset(), 2, 8, "the data")
-    note_built(context, loader)
+    shapes = StateShapes(scheduler, loader)
     scheduler.state["new"] = "key"  # the plugin mutates the dict its state_dict() handed out
     with pytest.raises(PluginHookFailed, match=r"state_dict\(\) has keys \['base_lrs', 'last_epoch', 'new'\]"):
-        save_run(_Checkpoints(), context, loader, SimpleNamespace())
+        save_run(_Checkpoints(), context, loader, SimpleNamespace(), shapes)
     assert run_state.SHAPE_RULE.startswith("a state_dict must keep the shape")

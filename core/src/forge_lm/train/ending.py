@@ -18,14 +18,12 @@ from typing import Any
 import torch.distributed as dist
 
 from forge_lm.checkpoint import CheckpointManager
-from forge_lm.data.loader import BatchLoader
 from forge_lm.distributed import ParallelDims
 from forge_lm.distributed.launch import shutdown_distributed
 from forge_lm.distributed.pipeline import PipelineRunner
 from forge_lm.errors import ForgeError
 from forge_lm.plugins import PluginManager, PluginStatus
 from forge_lm.plugins._calls import PluginHookFailed, describe
-from forge_lm.train.run_state import save_run
 from forge_lm.train.watchdog import HANG_EXIT_CODE, HangWatchdog
 
 _TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
@@ -175,18 +173,17 @@ class Teardown:
 def stop_for_plugin(
     failure: PluginHookFailed,
     checkpoints: CheckpointManager,
-    context: Any,
-    train_batches: BatchLoader,
+    step: int,
     dims: ParallelDims,
-    manager: PluginManager,
+    save: Callable[[], None],
 ) -> str:
-    """After a plugin's training hook or component failed: checkpoint the last completed step
-    unless it is saved already, the failure was in saving or loading plugin state, or the
-    failure says the state may be half-changed (``failure.unsaved``: an optimizer's or a
-    scheduler's step; then the checkpoint that exists is the one to trust); say where the run
-    stopped and what is intact. Across
-    ranks no checkpoint is attempted: the other ranks are not in step with this one."""
-    step, note = context.step, ""
+    """After a plugin's training hook or component failed at ``step`` (the last completed one):
+    checkpoint it (``save()``) unless it is saved already, the failure was in saving or loading
+    plugin state, or the failure says the state may be half-changed (``failure.unsaved``: an
+    optimizer's or a scheduler's step; then the checkpoint that exists is the one to trust); say
+    where the run stopped and what is intact. Across ranks no checkpoint is attempted: the other
+    ranks are not in step with this one."""
+    note = ""
     try:
         saved = {int(path.name[5:]) for path in checkpoints.complete()}
     except OSError:  # the run directory cannot be read: do not write into it either
@@ -197,7 +194,7 @@ def stop_for_plugin(
         wanted, note = False, f" and saved nothing ({unsaved})"
     if wanted and step > 0 and step not in saved and not dims.distributed:
         try:
-            save_run(checkpoints, context, train_batches, manager)
+            save()
             checkpoints.wait()
             return f"Training stopped at step {step} after saving a checkpoint of that step, which is intact"
         except Exception as exc:  # noqa: BLE001 - the plugin's failure stays the error reported

@@ -84,7 +84,7 @@ from forge_lm.train.loss_scale import LossScaler, build_loss_scaler
 from forge_lm.train.profiling import StepProfiler
 from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatcher, agree, check_startup
 from forge_lm.train.run_dir import RunDirectory
-from forge_lm.train.run_state import note_built, restore_run, roll_back, save_run
+from forge_lm.train.run_state import StateShapes, restore_run, roll_back, save_run
 from forge_lm.train.saving import SavePolicy
 from forge_lm.train.watchdog import HangWatchdog
 
@@ -372,7 +372,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
         tokens_per_step=parts.tokens_per_step,
         loss_scaler=parts.loss_scaler,
     )
-    note_built(context, parts.train_batches)  # the state shapes every save must keep (a resume demands them)
+    shapes = StateShapes(parts.scheduler, parts.train_batches)  # what every save must keep (a resume demands it)
     # What a failed checkpoint write does, and a save refused because the weights are not finite.
     rollback = partial(roll_back, checkpoints, context, parts.train_batches, manager)
     saves = SavePolicy(config.checkpoint.max_failed_saves, config.resilience, rollback)
@@ -470,7 +470,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
                 # Whether any rank had a preemption signal by the end of this step's backward (agreed
                 # with the loss); one arriving later is acted on after the next step.
                 if _divides(config.checkpoint.interval, step) or last or preempted:
-                    save = partial(save_run, checkpoints, context, parts.train_batches, manager)
+                    save = partial(save_run, checkpoints, context, parts.train_batches, manager, shapes)
                     saves.attempt(save, last_chance=last or preempted, why="preemption" if preempted else "final")
                     watchdog.beat()
                     window_start = time.perf_counter()
@@ -485,7 +485,8 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
         status = "interrupted"
         raise
     except PluginHookFailed as failure:  # a training hook failed: stop, with the last step saved
-        failure.outcome = stop_for_plugin(failure, checkpoints, context, parts.train_batches, parts.dims, manager)
+        save = partial(save_run, checkpoints, context, parts.train_batches, manager, shapes)
+        failure.outcome = stop_for_plugin(failure, checkpoints, context.step, parts.dims, save)
         raise
     finally:  # never replaces the exception that ended the run
         watchdog.doing("the run's end (train_end, the metrics backends' finish, the last checkpoint's write)")

@@ -11,8 +11,8 @@ Plugin states go to their plugins' ``load_state`` hooks, whose failure is the pl
 
 Because a resume demands that shape, every save checks it first (:func:`save_run`): the
 scheduler's and the dataset's states must be plain JSON data and have the shape their
-``state_dict()`` had when the component was built (the reference :func:`note_built` captures;
-else the first :func:`restore_run` or save captures it). A state that does not is not written:
+``state_dict()`` had when the component was built (the run's :class:`StateShapes`, taken right
+after they were built, before any step or resume). A state that does not is not written:
 it would make every checkpoint of the run unusable. The run stops at that save naming the
 component and its plugin (exit 4, the previous checkpoint intact), or, for a core component,
 as a bug in Forge. Plugin states follow no shape rule: their ``load_state`` checks them.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -50,37 +49,35 @@ PLAIN_RULE = (
 _SAVE_HOOK = "forge_lm_save_state"
 _MAX_DEPTH = 64  # as check_like allows
 
-# The states the components had when they were built, per data loader of a run (its key: the
-# loader lives as long as the run's components do): {"scheduler": (scheduler, state), "data": state}.
-_BUILT: weakref.WeakKeyDictionary[BatchLoader, dict[str, Any]] = weakref.WeakKeyDictionary()
-
 
 class ComponentStateBug(ForgeError):
     """A core component's ``state_dict()`` broke the state rules: a bug in Forge, not the user's."""
 
 
-def note_built(context: Any, train_batches: BatchLoader) -> None:
-    """Remember the shapes of the scheduler's and the data loader's states as they are now, right
-    after they were built (before any step, before a resume loads into them): the shapes a resume
-    demands, which every save is checked against. Called again for the same run, it changes nothing."""
-    references = _BUILT.setdefault(train_batches, {})
-    if references.get("scheduler", (None,))[0] is not context.scheduler:
-        references["scheduler"] = (context.scheduler, _snapshot(context.scheduler.state_dict()))
-    if "data" not in references:
-        references["data"] = _snapshot(train_batches.state_dict())
+class StateShapes:
+    """The states the scheduler and the data loader had right after they were built (before any
+    step, before a resume loads into them): the shapes a resume demands, which every save is
+    checked against. One per run (:class:`forge_lm.train.run.Run` holds it); copies, so that a
+    component changing the dict its ``state_dict()`` handed out does not change the reference."""
+
+    def __init__(self, scheduler: Any, train_batches: BatchLoader) -> None:
+        self.scheduler = _snapshot(scheduler.state_dict())
+        self.data = _snapshot(train_batches.state_dict())
 
 
-def save_run(checkpoints: CheckpointManager, context: Any, train_batches: BatchLoader, manager: PluginManager) -> None:
+def save_run(
+    checkpoints: CheckpointManager,
+    context: Any,
+    train_batches: BatchLoader,
+    manager: PluginManager,
+    shapes: StateShapes,
+) -> None:
     """Checkpoint the run at ``context.step``: the training point, for an exact resume. The
-    scheduler's and the data position's states are checked first (the module docstring): one
-    that a resume would refuse stops the run here, with nothing written."""
+    scheduler's and the data position's states are checked first against ``shapes`` (the module
+    docstring): one that a resume would refuse stops the run here, with nothing written."""
     scheduler, data = context.scheduler.state_dict(), train_batches.state_dict()
-    references = _BUILT.setdefault(train_batches, {})  # a run whose loop did not note them: this save is the reference
-    if references.get("scheduler", (None,))[0] is not context.scheduler:
-        references["scheduler"] = (context.scheduler, _snapshot(scheduler))
-    references.setdefault("data", _snapshot(data))
-    _check_state(context, checkpoints, "scheduler", scheduler, references["scheduler"][1], equal_lengths=True)
-    _check_data_position(context, checkpoints, data, references["data"])
+    _check_state(context, checkpoints, "scheduler", scheduler, shapes.scheduler, equal_lengths=True)
+    _check_data_position(context, checkpoints, data, shapes.data)
     state = {
         "config": to_data(context.config),  # what produced it, even if the run directory is lost
         "manifest": manager.manifest(),
@@ -109,7 +106,6 @@ def restore_run(
 ) -> bool:
     """Load the newest usable checkpoint into the run; False when there is none (which a start
     reports: it starts from step 0; a rollback's caller says what follows)."""
-    note_built(context, train_batches)  # on a resume the components are as built: nothing loaded yet
 
     def restore(state: dict[str, Any]) -> None:
         missing = {"tokens_seen", "plugins"} - set(state)
