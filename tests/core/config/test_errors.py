@@ -12,9 +12,9 @@ from forge_lm.plugins import PluginManager, PluginSettings, core_version
 
 CORE = f"forge-lm {core_version()}"
 TRAIN_KEYS = (
-    "Valid keys: 'activation_checkpointing', 'batch_ramp', 'batch_size', 'compile', 'cpu_keep_freed_memory', "
-    "'cpu_linear_kernel', 'device', 'grad_accum_steps', 'grad_clip', 'loss_scale', 'max_steps', 'memory_check', "
-    "'output_dir', 'precision', 'seed', 'seq_len'"
+    "Valid keys: 'activation_checkpointing', 'activation_offload', 'batch_ramp', 'batch_size', 'compile', "
+    "'cpu_keep_freed_memory', 'cpu_linear_kernel', 'device', 'grad_accum_steps', 'grad_clip', 'loss_scale', "
+    "'max_steps', 'memory_check', 'output_dir', 'precision', 'seed', 'seq_len'"
 )
 
 

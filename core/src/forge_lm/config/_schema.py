@@ -360,6 +360,14 @@ class TrainSection:
             "'selective' keeps matmul and attention outputs and recomputes the rest."
         ),
     )
+    activation_offload: bool = attrs.field(
+        default=False,
+        metadata=_doc(
+            "CUDA only: copy the activations the forward saves for backward to pinned host memory and back when "
+            "backward needs them (torch.autograd.graph.save_on_cpu). With activation_checkpointing, only what "
+            "checkpointing keeps of a block (its inputs) is offloaded."
+        ),
+    )
     memory_check: bool = attrs.field(
         default=True,
         metadata=_doc(
@@ -440,6 +448,14 @@ class DistributedSection:
             "Under FSDP2 with grad_accum_steps > 1, keep full unsharded gradients on every rank until the step's "
             "last micro-batch and reduce once (less communication, more memory); false reduce-scatters after "
             "every micro-batch and keeps only this rank's shard."
+        ),
+    )
+    cpu_offload: bool = attrs.field(
+        default=False,
+        metadata=_doc(
+            "CUDA and FSDP2 only: keep this rank's parameter shards, their gradients and the optimizer state in "
+            "pinned host memory and run the optimizer step on the CPU (FSDP2's CPUOffloadPolicy); the device holds "
+            "the layers being computed and the activations."
         ),
     )
     pp_schedule: str = attrs.field(

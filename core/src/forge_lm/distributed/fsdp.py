@@ -4,7 +4,10 @@ Each transformer block is one FSDP unit (its parameters are gathered just before
 freed after), then the root holds the rest (embedding, final norm, head). With
 ``dp_replicate > 1`` the mesh is 2-D and FSDP2 runs as HSDP: sharded within a group,
 replicated across groups. With bf16 precision the parameters are gathered and computed in
-bf16 and gradients reduced in fp32, while the sharded master weights stay fp32.
+bf16 and gradients reduced in fp32, while the sharded master weights stay fp32. With
+``[distributed] cpu_offload`` every unit gets FSDP2's ``CPUOffloadPolicy``
+(:mod:`forge_lm.distributed.offload`): the shards, their gradients and the optimizer state live in
+host memory.
 
 A submodule may set ``fsdp_mesh_dims`` (a tuple of mesh dimension names) to be sharded as its
 own unit over those dimensions, before its block: the MoE plugin shards expert weights, which
@@ -31,6 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from forge_lm.components import OwnFSDPUnit
 from forge_lm.distributed.compression import build_compressor
+from forge_lm.distributed.offload import offload_policy
 from forge_lm.distributed.transforms import ModelTransform, TransformContext, transformer_blocks
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # [distributed] reduce_dtype
@@ -53,6 +57,9 @@ def _apply(model: nn.Module, context: TransformContext) -> None:
     low_precision = context.dtype is not None or reduce_dtype != torch.float32
     policy = MixedPrecisionPolicy(param_dtype=context.dtype, reduce_dtype=reduce_dtype) if low_precision else None
     common = {"mp_policy": policy} if policy is not None else {}
+    offload = offload_policy(context)  # [distributed] cpu_offload: shards, gradients, optimizer state on the host
+    if offload is not None:
+        common["offload_policy"] = offload
     # Under pipeline parallelism every microbatch would gather the weights again: keep them.
     reshard = dims.pp == 1
     for module in model.modules():

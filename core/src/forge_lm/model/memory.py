@@ -30,6 +30,17 @@ The estimate, per rank:
   probabilities for backward: ``heads * seq_len`` values per token, in the compute dtype.
   Activation checkpointing keeps the block inputs and one block's activations.
 
+Offloading (:mod:`forge_lm.distributed.offload`) splits the estimate into a device share and a
+host share:
+
+- ``[distributed] cpu_offload``: the sharded weights, gradients and optimizer state are on the
+  host. The device keeps the buffers and FSDP2's working set: the root unit's parameters
+  (everything outside the blocks, gathered for the whole step) and two blocks (the one computed
+  and the one prefetched), whole (divided by ``tp`` only), at the compute dtype, each with an
+  fp32 gradient: ``(outside_blocks + 2 * largest_block) * (compute bytes + 4) / tp``.
+- ``[train] activation_offload``: what the blocks keep for backward is on the host; the device
+  keeps one block's activations (the block being computed or differentiated) and the logits.
+
 The limit (:func:`forge_lm.model.available_memory.memory_limit`, which probes this machine): on
 CUDA the device's free memory; on CPU the host's available memory, shared by the ranks on the host.
 """
@@ -47,7 +58,13 @@ from forge_lm.components import DeclaresOptimizerStates, ShardedByBlocks
 from forge_lm.config import ComponentConfig, ForgeConfig, LlamaOptions, ModelSection, model_options
 from forge_lm.errors import ConfigError, ForgeError, PluginError
 from forge_lm.model.attention import uses_eager
-from forge_lm.model.available_memory import MemoryLimit, memory_limit, processes_on_host
+from forge_lm.model.available_memory import (
+    MemoryLimit,
+    host_memory_limit,
+    memory_limit,
+    processes_on_host,
+    ranks_on_host,
+)
 
 if TYPE_CHECKING:
     from forge_lm.distributed.mesh import ParallelDims
@@ -81,6 +98,8 @@ class ParameterCount:
     parameter_bytes: int
     buffer_bytes: int
     exact: bool  # False: a lower bound, or extrapolated beyond MAX_BUILT_LAYERS blocks
+    largest_block: int = 0  # parameters of the largest block (what FSDP2 gathers as one unit)
+    outside_blocks: int = 0  # parameters outside the blocks (the embedding, a head, the final norm)
 
 
 @attrs.frozen
@@ -94,16 +113,59 @@ class MemoryEstimate:
     weights: float
     gradients: float
     optimizer_state: float
-    activations: float
+    activations: float  # on the device
+    working_set: float | None = None  # cpu_offload: the units FSDP2 gathers on the device; None: not offloaded
+    host_activations: float = 0.0  # activation_offload: what the blocks keep for backward, on the host
+
+    @property
+    def state_offloaded(self) -> bool:
+        return self.working_set is not None
 
     @property
     def total(self) -> float:
+        """Bytes on the run's device."""
+        if self.working_set is not None:
+            return self.count.buffer_bytes + self.working_set + self.activations
         return self.weights + self.gradients + self.optimizer_state + self.activations
 
+    @property
+    def host(self) -> float:
+        """Bytes offloaded to host memory (0 without offloading)."""
+        offloaded = self.weights - self.count.buffer_bytes + self.gradients + self.optimizer_state
+        return (offloaded if self.working_set is not None else 0.0) + self.host_activations
+
     def describe(self) -> str:
-        """``3.28M parameters; about 228 MB per rank (weights ..., activations ...)``."""
+        """``3.28M parameters; about 228 MB per rank (weights ..., activations ...)``; with
+        offloading, the device's share and the host's."""
         about = "about" if self.count.exact else "at least"
-        return f"{self.parameters()}; {about} {format_bytes(self.total)} per rank ({self.breakdown()})"
+        if not self.host:
+            return f"{self.parameters()}; {about} {format_bytes(self.total)} per rank ({self.breakdown()})"
+        return (
+            f"{self.parameters()}; {about} {format_bytes(self.total)} of device memory per rank "
+            f"({self.device_breakdown()}) and {format_bytes(self.host)} of host memory per rank "
+            f"({self.host_breakdown()})"
+        )
+
+    def device_breakdown(self) -> str:
+        if self.working_set is None:
+            return self.breakdown()
+        return (
+            f"buffers {format_bytes(self.count.buffer_bytes)}, gathered layers {format_bytes(self.working_set)}, "
+            f"activations {format_bytes(self.activations)}"
+        )
+
+    def host_breakdown(self) -> str:
+        parts = []
+        if self.working_set is not None:
+            shards = f", sharded {self.shards} ways" if self.shards > 1 else ""
+            parts.append(
+                f"weights {format_bytes(self.weights - self.count.buffer_bytes)}, gradients "
+                f"{format_bytes(self.gradients)}, optimizer state {format_bytes(self.optimizer_state)} "
+                f"({self.optimizer}: {self.states:g} per parameter){shards}: [distributed] cpu_offload"
+            )
+        if self.host_activations:
+            parts.append(f"activations {format_bytes(self.host_activations)}: [train] activation_offload")
+        return "; ".join(parts)
 
     def parameters(self) -> str:
         return f"{'' if self.count.exact else 'at least '}{format_count(self.count.parameters)} parameters"
@@ -148,7 +210,7 @@ def lower_bound(model: Any, vocab_size: int) -> ParameterCount:
         dim = getattr(model, "dim", None)
         if not isinstance(dim, int):
             return ParameterCount(0, 0, 0, exact=False)
-        return ParameterCount(vocab_size * dim, 4 * vocab_size * dim, 0, exact=False)
+        return ParameterCount(vocab_size * dim, 4 * vocab_size * dim, 0, exact=False, outside_blocks=vocab_size * dim)
     dim, head_dim = model.dim, model.head_size
     q_dim, kv_dim = model.n_heads * head_dim, model.kv_heads * head_dim
     per_block = 2 * dim * q_dim + 2 * dim * kv_dim + 2 * dim  # wq, wo; wk, wv; two norm scales
@@ -157,7 +219,9 @@ def lower_bound(model: Any, vocab_size: int) -> ParameterCount:
     embeddings = vocab_size * dim * (1 if model.tie_embeddings else 2)
     parameters = embeddings + model.n_layers * per_block + dim  # the final norm
     rope = 2 * model.max_seq_len * head_dim * 4  # cos and sin, fp32
-    return ParameterCount(parameters, 4 * parameters, rope, exact=False)
+    return ParameterCount(
+        parameters, 4 * parameters, rope, exact=False, largest_block=per_block, outside_blocks=embeddings + dim
+    )
 
 
 def count_parameters(model: ComponentConfig | ModelSection, vocab_size: int, registry: Any) -> ParameterCount:
@@ -195,7 +259,8 @@ def count_parameters(model: ComponentConfig | ModelSection, vocab_size: int, reg
         numel, nbytes = numel + missing * smallest[0], nbytes + missing * smallest[1]
         layer_buffers = min(sum(b.numel() * b.element_size() for b in layer.buffers()) for layer in layers)
         buffers += missing * layer_buffers
-    return ParameterCount(numel, nbytes, buffers, exact=not missing)
+    largest = max((n for n, _ in per_layer), default=0)
+    return ParameterCount(numel, nbytes, buffers, exact=not missing, largest_block=largest, outside_blocks=rest[0])
 
 
 def capped_section(
@@ -320,6 +385,12 @@ def _estimate(
         kept *= min(dims.pp, accum) if dims.pp_schedule == "1f1b" else accum
     element = 4 if autocast is None else torch.finfo(autocast).bits // 8
     logits = vocab_size * (element + _LOGIT_GRADIENT_BYTES)
+    host_activations = 0.0
+    if train.activation_offload:  # the blocks' saved tensors wait on the host; one block's are on the device
+        host_activations, kept = tokens * kept, min(kept, per_block)
+    working_set = None
+    if config.distributed.cpu_offload:  # the root unit and two blocks gathered, each with an fp32 gradient
+        working_set = (count.outside_blocks + 2 * count.largest_block) * (element + 4) / dims.tp
     return MemoryEstimate(
         count=count,
         optimizer=optimizer,
@@ -329,6 +400,8 @@ def _estimate(
         gradients=sharded,
         optimizer_state=sharded * states,
         activations=tokens * (kept + logits),
+        working_set=working_set,
+        host_activations=host_activations,
     )
 
 
@@ -339,12 +412,31 @@ def refusal(estimate: MemoryEstimate, limit: MemoryLimit) -> str:
     about = "about" if estimate.count.exact else "at least"
     return (
         f"the run needs {about} {format_bytes(estimate.total)} of memory per rank, more than the "
-        f"{format_bytes(limit.bytes)} {limit.source}: {estimate.parameters()}; {estimate.breakdown()}. Make the "
+        f"{format_bytes(limit.bytes)} {limit.source}: {estimate.parameters()}; {estimate.device_breakdown()}. Make the "
         "model smaller ([model] "
         "n_layers, dim, vocab_size, max_seq_len, [model.ffn]), lower [train] batch_size or seq_len, set [train] "
         "activation_checkpointing, or shard it over more ranks ([distributed] dp_shard, tp, pp under torchrun); "
         "[train] memory_check = false starts it anyway."
     )
+
+
+def host_refusal(estimate: MemoryEstimate, limit: MemoryLimit) -> str:
+    """The refusal of a run whose offloaded share does not fit in its share of the host's memory."""
+    about = "about" if estimate.count.exact else "at least"
+    return (
+        f"the run offloads {about} {format_bytes(estimate.host)} per rank to host memory, more than the "
+        f"{format_bytes(limit.bytes)} {limit.source}: {estimate.parameters()}; {estimate.host_breakdown()}. Shard "
+        "it over more ranks ([distributed] dp_shard under torchrun), make the model smaller, or offload less "
+        "([distributed] cpu_offload, [train] activation_offload = false); [train] memory_check = false starts it "
+        "anyway."
+    )
+
+
+def host_shortfall(estimate: MemoryEstimate, limit: MemoryLimit | None) -> str | None:
+    """:func:`host_refusal` when the offloaded share exceeds ``limit`` (the host's, per rank), else None."""
+    if not estimate.host or limit is None or estimate.host <= limit.bytes:
+        return None
+    return host_refusal(estimate, limit)
 
 
 def loading_shortfall(config: ForgeConfig, vocab_size: int, registry: Any) -> str | None:
@@ -383,12 +475,12 @@ def check_memory(
         return None
     limit = memory_limit(device, processes_on_host=processes_on_host(device))
     estimate = estimate_memory(config, vocab_size, registry, dims, autocast, device)
-    too_big = limit is not None and estimate.total > limit.bytes
-    if agree(too_big):
+    problem = refusal(estimate, limit) if limit is not None and estimate.total > limit.bytes else None
+    if problem is None and estimate.host:  # offloaded: the host's share, split among this host's ranks
+        problem = host_shortfall(estimate, host_memory_limit(ranks_on_host()))
+    if agree(problem is not None):
         raise ConfigError(
-            refusal(estimate, limit)
-            if too_big and limit is not None
-            else "another rank's share of the run does not fit in its memory; see that rank's message."
+            problem or "another rank's share of the run does not fit in its memory; see that rank's message."
         )
     return estimate
 

@@ -47,6 +47,7 @@ from forge_lm.distributed.context_parallel import ContextParallel, enable_contex
 from forge_lm.distributed.grads import clip_grads
 from forge_lm.distributed.health import check_health
 from forge_lm.distributed.launch import on_main_process, rank_device
+from forge_lm.distributed.offload import check_offload, saved_activations
 from forge_lm.distributed.pipeline import PipelineRunner
 from forge_lm.distributed.reduce import agree_on_step, mean_over_data_parallel, rank
 from forge_lm.distributed.tensor_parallel import loss_parallel_for
@@ -190,6 +191,7 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     dims = ParallelDims.resolve(config, launch.world_size)  # checked before any process group exists
     device = rank_device(resolve_device(config.train.device), launch)
     dtype = autocast_dtype(config.train.precision, device)
+    check_offload(config, device, dims)  # nothing to offload to on a CPU; cpu_offload needs FSDP2
     _choose_linear_kernel(config.train.cpu_linear_kernel, device)
     cpu_memory = _cpu_memory(config.train.cpu_keep_freed_memory, device)
     init_distributed(launch, device, config.distributed.timeout)
@@ -634,7 +636,10 @@ def _train_step(
             sharded_loss = loss_parallel_for(parts.dims.tp, parts.loss_fn)
             calling = guards.model.calling(_PASSES, step)
             with calling, _gradient_sync(model, enabled=sync), collect_aux() as reports, sharded_loss:
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                # [train] activation_offload: what the forward saves waits in host memory (the backward,
+                # outside, brings it back); forge_lm.distributed.offload.
+                autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+                with autocast, saved_activations(config, device):
                     logits, labels = _forward(model, batch, context_parallel)
                     with guards.loss.calling("its loss function", step):
                         value = parts.loss_fn(logits, labels)

@@ -20,10 +20,18 @@ import torch
 from forge_lm.config import ForgeConfig, model_options
 from forge_lm.distributed.launch import detect_launch
 from forge_lm.distributed.mesh import ParallelDims
+from forge_lm.distributed.offload import check_offload
 from forge_lm.errors import ConfigError, ForgeError
-from forge_lm.model.available_memory import MemoryLimit, memory_limit, processes_on_host
+from forge_lm.model.available_memory import MemoryLimit, host_memory_limit, memory_limit, ranks_on_host
 from forge_lm.model.capabilities import check_family_supports
-from forge_lm.model.memory import MemoryEstimate, estimate_memory, format_bytes, model_vocab_size, refusal
+from forge_lm.model.memory import (
+    MemoryEstimate,
+    estimate_memory,
+    format_bytes,
+    host_shortfall,
+    model_vocab_size,
+    refusal,
+)
 from forge_lm.train.device import autocast_dtype, resolve_device
 
 GIB = 2**30
@@ -72,22 +80,44 @@ def validation_report(config: ForgeConfig, registry: Any, simulated: SimulatedLa
         world_size = detect_launch().world_size
         dims = _degrees_for_this_launch(config, world_size)
     check_family_supports(config, vocab_size, registry, dims)  # the layout against what the model declares
+    # Offloading's rules on the layout hold for a launch whose ranks are known (this one under
+    # torchrun, or the simulated one); outside torchrun the config is for a launch not made yet.
+    launched = dims if simulated.world_size is not None or world_size > 1 else None
     if simulated.device_memory_gib is not None:
+        check_offload(config, _meant_device(config), launched)
         return _simulated_report(config, registry, vocab_size, dims, simulated, world_size) + vocab_note
     try:
         device = resolve_device(config.train.device)
     except ConfigError as exc:  # the config may be meant for another machine
         meant = _meant_device(config)
+        check_offload(config, meant, launched)
         autocast = autocast_dtype(config.train.precision, meant)
         estimate = estimate_memory(config, vocab_size, registry, dims, autocast, meant)
         return f"estimate: {estimate.describe()}; not checked against a device here: {exc}" + vocab_note
+    check_offload(config, device, launched)
     autocast = autocast_dtype(config.train.precision, device)
-    # Ranks of a simulated launch on CPU share this host, as under torchrun --nproc-per-node.
-    sharing = simulated.world_size if simulated.world_size is not None else processes_on_host(device)
+    # Ranks of a simulated launch share this host, as under torchrun --nproc-per-node.
+    sharing = simulated.world_size if simulated.world_size is not None else ranks_on_host()
     limit = memory_limit(device, processes_on_host=sharing if device.type == "cpu" else 1)
     estimate = estimate_memory(config, vocab_size, registry, dims, autocast, device)
     suffix = (" " + simulated.describe(world_size, device) if simulated.world_size is not None else "") + vocab_note
-    return _checked(config, estimate, limit, f"the memory of {device} is unknown here") + suffix
+    report = _checked(config, estimate, limit, f"the memory of {device} is unknown here")
+    if estimate.host:  # offloaded: the host's share against this host's memory, split among its ranks
+        report += _host_checked(config, estimate, host_memory_limit(sharing))
+    return report + suffix
+
+
+def _host_checked(config: ForgeConfig, estimate: MemoryEstimate, limit: MemoryLimit | None) -> str:
+    """The host's line of the report of an offloading run; raises the refusal where its share
+    does not fit and ``[train] memory_check`` is on."""
+    if limit is None:
+        return " Host: its memory is unknown here."
+    problem = host_shortfall(estimate, limit)
+    if problem is not None and config.train.memory_check:
+        raise ConfigError(problem)
+    more = "more than " if problem is not None else ""
+    unchecked = " ([train] memory_check = false)" if problem is not None else ""
+    return f" Host: {more}{format_bytes(limit.bytes)} {limit.source}{unchecked}."
 
 
 def _degrees_for_this_launch(config: ForgeConfig, world_size: int) -> ParallelDims:
