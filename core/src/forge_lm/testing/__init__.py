@@ -17,7 +17,10 @@ expected (the pass mark) and what it measured.
 
 - optimizers: every trainable parameter is in exactly one group; the loss of a tiny problem
   falls by at least 20% within 40 steps (run at ``lr = 1e-2`` unless the options give one); a
-  state-dict round trip (plain data, ``weights_only`` loadable) resumes bit for bit.
+  state-dict round trip (plain data, ``weights_only`` loadable) resumes bit for bit; where
+  declared, no parameter keeps more state tensors of its size than ``FORGE_LM_OPTIMIZER_STATES``
+  on the options class says (``DeclaresOptimizerStates``), and ``evolving_group_keys`` is a tuple
+  of keys every parameter group holds (``EvolvingGroupKeys``).
 - schedulers: the documented linear warmup ``(s + 1) / W``, always run with a warmup: the
   warmup field is ``warmup_steps`` (:class:`~forge_lm.components.WarmupOptions`'s) or else the
   options' one integer field whose name holds ``warmup`` (``warmup``, ``warmup_iters``), set to
@@ -27,7 +30,8 @@ expected (the pass mark) and what it measured.
 - losses: finite value and gradients; positions labelled ``IGNORE_INDEX`` have no effect; the
   value is a token mean (what gradient accumulation relies on); equality with an independent
   reference.
-- datasets: sample form; reproducibility; a state round trip restores the exact next sample;
+- datasets: sample form; reproducibility; a state round trip restores the exact next sample,
+  through ``state_dict()`` and, for a ``SavesLocalState`` dataset, ``local_state_dict()``;
   data-parallel ranks get distinct samples.
 - metrics backends: writes only inside the run directory; what was logged is recorded.
 - tokenizers: ids and ``eos_id`` within the vocabulary; ``decode(encode(text)) == text`` over
@@ -48,7 +52,8 @@ expected (the pass mark) and what it measured.
   random token windows) and called as the loop calls them (a tiny llama model in eval mode, under ``torch.no_grad()``):
   ``evaluate`` returns a mapping of metric names to finite Python numbers (an undefined metric
   is left out); the weights (values and dtypes), ``requires_grad``, gradients and every
-  module's train/eval mode are the same after the call.
+  module's train/eval mode are the same after the call; a ``ReportsResults`` evaluator's
+  ``results`` are then a mapping JSON can hold and its ``table`` a string.
 - routers (the contract forge-moe defines: ``factory(options, dim, n_experts, top_k)``,
   ``router(x) -> indices, weights, aux_losses``): shapes and dtypes (``[batch * seq, top_k]``,
   int64 and float32; scalar aux losses); ``top_k`` distinct experts in ``[0, n_experts)`` per
@@ -68,7 +73,8 @@ expected (the pass mark) and what it measured.
   forward within 1e-5, and ``flops_per_token`` is within 1% of the products torch counts in a
   forward and backward (attention's included, not halved for causality; plus 6 per vector
   parameter); ``parameter_roles`` covers every parameter, embeddings ``"embedding"``, the head
-  ``"output"`` (or tied).
+  ``"output"`` (or tied); a ``GenerationLimits`` model's ``vocab_size`` is its logits' width and
+  its ``max_seq_len`` its options'.
 - attention layers, built with a small ``AttentionSpec`` and fed RoPE tables and the masks of
   ``attention_mask`` in SDPA's and eager attention's forms: shape-preserving and finite; no
   output depends on a later position, each on its own; a ``WindowedAttention`` query sees

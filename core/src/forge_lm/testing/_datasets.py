@@ -10,7 +10,7 @@ import itertools
 
 import torch
 
-from forge_lm.components import IGNORE_INDEX, DataContext
+from forge_lm.components import IGNORE_INDEX, DataContext, SavesLocalState
 from forge_lm.testing._kit import Subject, category_check
 from forge_lm.testing._tiny import plain_round_trip
 
@@ -84,7 +84,7 @@ def check_state_round_trip_restores_the_next_sample(subject: Subject) -> None:
     reading ahead notes per batch; see ``forge_lm.data.loader.local_state``)."""
     context = _context(subject)
     takers = [("state_dict", lambda dataset: dataset.state_dict())]
-    if callable(getattr(subject.build(context), "local_state_dict", None)):
+    if isinstance(subject.build(context), SavesLocalState):
         takers.append(("local_state_dict", lambda dataset: dataset.local_state_dict()))
     for method, take_state in takers:
         dataset = subject.build(context)

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from forge_lm.testing._kit import Subject, category_check
+from forge_lm.components import ReportsResults
+from forge_lm.testing._kit import Subject, category_check, skip_check
 
 STEP = 10
 TINY_MODEL = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}
@@ -157,3 +158,32 @@ def check_leaves_the_model_as_it_found_it(subject: Subject) -> None:
         f"{subject.label}: evaluate left gradients on {grads[:3]}; the kit expects none (no backward pass through "
         "the model)"
     )
+
+
+@category_check("evaluators")
+def check_reported_results_are_plain_data(subject: Subject) -> None:
+    """A :class:`~forge_lm.components.ReportsResults` evaluator's ``results`` after ``evaluate`` are a
+    mapping a JSON file can hold, and its ``table`` a string (``forge eval`` writes and prints them)."""
+    import json
+
+    with tempfile.TemporaryDirectory(prefix="forge-kit-evaluator-") as run_dir:
+        context = _context(subject, Path(run_dir))
+        evaluator = subject.build(context)
+        if not isinstance(evaluator, ReportsResults):
+            skip_check(f"{subject.label} declares no results and table (ReportsResults)")
+        model = _model(subject, context).eval()
+        with torch.no_grad():
+            evaluator.evaluate(model, STEP)
+    results, table = evaluator.results, evaluator.table
+    assert isinstance(results, Mapping), (
+        f"{subject.label}: after evaluate, results is {type(results).__name__}; the kit expects a mapping of the "
+        "last evaluation's results"
+    )
+    try:
+        json.dumps(results, allow_nan=True, default=None)
+    except (TypeError, ValueError) as exc:
+        raise AssertionError(
+            f"{subject.label}: results cannot be written as JSON ({exc}); the kit expects plain data (str, numbers, "
+            "bools, None, lists and str-keyed mappings)"
+        ) from None
+    assert isinstance(table, str), f"{subject.label}: table is {type(table).__name__}; the kit expects a str"

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge_lm.components import PARAMETER_ROLES, CountsFlops, DecodesWithCache, parameter_roles
+from forge_lm.components import PARAMETER_ROLES, CountsFlops, DecodesWithCache, GenerationLimits, parameter_roles
 from forge_lm.config import ComponentConfig
 from forge_lm.errors import ForgeError
 from forge_lm.testing._init import first_difference, named_tensors
@@ -356,4 +356,28 @@ def check_parameter_roles_cover_every_parameter(subject: Subject) -> None:
         f"{subject.label}: the weights {sorted(wrong)} of shape [vocab, ...] (the output head) have roles "
         f"{sorted(set(wrong.values()))}; the kit expects 'output', or 'embedding' for a head tied to the embedding "
         "(name the head `output`, define get_output_embeddings(), or declare parameter_roles())"
+    )
+
+
+@category_check("models")
+def check_generation_limits_are_the_models(subject: Subject) -> None:
+    """A :class:`~forge_lm.components.GenerationLimits` model's ``vocab_size`` is its logits' width
+    and its ``max_seq_len`` the options' (``forge generate`` refuses prompts by them)."""
+    model = _build(subject).eval()
+    if not isinstance(model, GenerationLimits):
+        skip_check(f"{subject.label} declares no GenerationLimits (vocab_size, max_seq_len)")
+    vocab, limit = model.vocab_size, model.max_seq_len
+    for name, value in (("vocab_size", vocab), ("max_seq_len", limit)):
+        assert isinstance(value, int) and not isinstance(value, bool) and value > 0, (
+            f"{subject.label}: model.{name} is {value!r}; the kit expects a positive int (GenerationLimits)"
+        )
+    with torch.no_grad():
+        width = _logits(subject, model, _tokens(1, 2, vocab)).shape[-1]
+    assert width == vocab, (
+        f"{subject.label}: model.vocab_size is {vocab} but its logits have {width} columns; the kit expects them equal"
+    )
+    configured = getattr(subject.options(), "max_seq_len", None)
+    assert configured is None or limit == configured, (
+        f"{subject.label}: model.max_seq_len is {limit} but its options' max_seq_len is {configured}; the kit "
+        "expects the model's to be the one configured"
     )

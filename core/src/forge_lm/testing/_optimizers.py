@@ -1,10 +1,14 @@
-"""Optimizer contract: ``factory(options, model) -> torch.optim.Optimizer``."""
+"""Optimizer contract: ``factory(options, model) -> torch.optim.Optimizer``, with the declarations
+of :mod:`forge_lm.components` checked where made: ``FORGE_LM_OPTIMIZER_STATES`` on the options
+class (:class:`~forge_lm.components.DeclaresOptimizerStates`) and ``evolving_group_keys`` on the
+optimizer (:class:`~forge_lm.components.EvolvingGroupKeys`)."""
 
 from __future__ import annotations
 
 import torch
 
-from forge_lm.testing._kit import Subject, category_check
+from forge_lm.components import DeclaresOptimizerStates, EvolvingGroupKeys
+from forge_lm.testing._kit import Subject, category_check, skip_check
 from forge_lm.testing._tiny import plain_round_trip, tiny_batch, tiny_loss, tiny_model
 
 STEPS = 40
@@ -89,3 +93,53 @@ def check_state_dict_round_trip_resumes_exactly(subject: Subject) -> None:
             f"by up to {(expected.double() - actual.double()).abs().max().item():.3g} after 5 more steps; the kit "
             "expects it bit for bit equal"
         )
+
+
+@category_check("optimizers")
+def check_declared_state_count_bounds_the_state_it_keeps(subject: Subject) -> None:
+    """After a few steps, no parameter has more state tensors of its own size than the options
+    class declares (the memory estimate counts them)."""
+    options_class = subject.component.options_class
+    if not isinstance(options_class, DeclaresOptimizerStates):
+        skip_check(f"{subject.label}'s options class declares no FORGE_LM_OPTIMIZER_STATES")
+    declared = options_class.FORGE_LM_OPTIMIZER_STATES
+    assert isinstance(declared, int | float) and not isinstance(declared, bool) and 0 <= declared < float("inf"), (
+        f"{subject.label}: FORGE_LM_OPTIMIZER_STATES is {declared!r}; the kit expects a number >= 0 (state tensors "
+        "per parameter)"
+    )
+    model = tiny_model()
+    optimizer = _build(subject, model)
+    _train(model, optimizer, 3)
+    names = {id(p): name for name, p in model.named_parameters()}
+    counts = {
+        names.get(id(param), "?"): sum(
+            isinstance(value, torch.Tensor) and value.shape == param.shape for value in state.values()
+        )
+        for param, state in optimizer.state.items()
+    }
+    over = {name: count for name, count in counts.items() if count > declared}
+    assert not over, (
+        f"{subject.label} keeps {max(over.values())} state tensors the size of '{max(over, key=over.get)}' after 3 "
+        f"steps; its options class declares FORGE_LM_OPTIMIZER_STATES = {declared}, and the kit expects no "
+        "parameter to have more"
+    )
+
+
+@category_check("optimizers")
+def check_evolving_group_keys_are_in_every_group(subject: Subject) -> None:
+    """``evolving_group_keys``: a tuple of key names present in every parameter group (a resumed
+    run restores them from the checkpoint)."""
+    model = tiny_model()
+    optimizer = _build(subject, model)
+    if not isinstance(optimizer, EvolvingGroupKeys):
+        skip_check(f"{subject.label} declares no evolving_group_keys")
+    keys = optimizer.evolving_group_keys
+    assert isinstance(keys, tuple) and all(isinstance(key, str) and key for key in keys), (
+        f"{subject.label}: evolving_group_keys is {keys!r}; the kit expects a tuple of parameter-group key names"
+    )
+    _train(model, optimizer, 2)
+    missing = sorted({key for group in optimizer.param_groups for key in keys if key not in group})
+    assert not missing, (
+        f"{subject.label}: evolving_group_keys names {missing}, which some parameter group lacks after 2 steps; the "
+        "kit expects every named key in every group"
+    )
