@@ -35,6 +35,12 @@ EVENT_TYPES: dict[str, str] = {
     "checkpoint_skipped": "a checkpoint was passed over when loading: checkpoint, reason",
     "checkpoint_failed": "a checkpoint save failed: reason, and action (what the run does about it)",
     "nonfinite_step": "a NaN/Inf loss or gradient: loss, grad_norm, action (skip, rollback, stop)",
+    "loss_spike": (
+        "a step judged a loss spike ([resilience] spike_policy): at_step, metric, value, mean, std, threshold, "
+        "spikes_in_a_row, action (skip, rollback, stop), skipped_batches (skip)"
+    ),
+    "rollback": "the run went back to its newest checkpoint: to_step, skipped_batches (first and last loader batch)",
+    "batch_size": "a batch ramp changed the global batch: batch_size (sequences), micro_batches (per rank), lr_factor",
     "overflow": "fp16: gradients overflowed at this loss scale; the step is skipped: loss, grad_norm, scale, new_scale",
     "preemption": "a preemption signal was acted on: signal",
     "evaluation": "an evaluation finished: its metrics",

@@ -47,7 +47,6 @@ from forge_lm.distributed.context_parallel import ContextParallel, enable_contex
 from forge_lm.distributed.grads import clip_grads
 from forge_lm.distributed.health import check_health
 from forge_lm.distributed.launch import on_main_process, rank_device
-from forge_lm.distributed.offload import check_offload, saved_activations
 from forge_lm.distributed.pipeline import PipelineRunner
 from forge_lm.distributed.reduce import agree_on_step, mean_over_data_parallel, rank
 from forge_lm.distributed.tensor_parallel import loss_parallel_for
@@ -69,6 +68,7 @@ from forge_lm.model.linear_choice import linear_shapes
 from forge_lm.model.memory import check_memory, model_vocab_size
 from forge_lm.plugins import PluginManager
 from forge_lm.plugins._calls import PluginHookFailed
+from forge_lm.train.batch_ramp import BatchRamp
 from forge_lm.train.builders import (
     CheckedEvaluator,
     build_dataset,
@@ -87,6 +87,7 @@ from forge_lm.train.resilience import NonFiniteLoss, Preempted, PreemptionWatche
 from forge_lm.train.run_dir import RunDirectory
 from forge_lm.train.run_state import StateShapes, restore_run, roll_back, save_run
 from forge_lm.train.saving import SavePolicy
+from forge_lm.train.spikes import SpikeDetector, handle_spike
 from forge_lm.train.watchdog import HangWatchdog
 
 
@@ -103,6 +104,7 @@ class TrainContext:
     tokens_seen: int = 0
     tokens_per_step: int = 0  # the global batch: every data-parallel rank's micro-batches
     loss_scaler: LossScaler | None = None  # precision = "fp16" only; its state is checkpointed
+    spike_detector: SpikeDetector | None = None  # [resilience] spike_policy; its window is checkpointed
 
 
 @attrs.frozen
@@ -191,7 +193,6 @@ def _build(config: ForgeConfig, manager: PluginManager) -> _Parts:
     dims = ParallelDims.resolve(config, launch.world_size)  # checked before any process group exists
     device = rank_device(resolve_device(config.train.device), launch)
     dtype = autocast_dtype(config.train.precision, device)
-    check_offload(config, device, dims)  # nothing to offload to on a CPU; cpu_offload needs FSDP2
     _choose_linear_kernel(config.train.cpu_linear_kernel, device)
     cpu_memory = _cpu_memory(config.train.cpu_keep_freed_memory, device)
     init_distributed(launch, device, config.distributed.timeout)
@@ -341,6 +342,7 @@ def _record_end(error: BaseException | None) -> None:
 
 def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teardown: Teardown) -> TrainResult:
     parts = _build(config, manager)
+    ramp = BatchRamp.for_run(config, parts.tokens_per_step)  # [train.batch_ramp]: a misfit is refused here
     teardown.hold(parts.pipeline)
     model, optimizer, backends = parts.model, parts.optimizer, parts.backends
     if is_main_process():
@@ -373,6 +375,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
         parts.scheduler,
         tokens_per_step=parts.tokens_per_step,
         loss_scaler=parts.loss_scaler,
+        spike_detector=SpikeDetector.for_run(config),
     )
     shapes = StateShapes(parts.scheduler, parts.train_batches)  # what every save must keep (a resume demands it)
     # What a failed checkpoint write does, and a save refused because the weights are not finite.
@@ -401,7 +404,7 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
         manager.call("forge_lm_train_start", context=context)
         watchdog.doing(None)  # from here on: steps, evaluations, saves
         batches = parts.guards.dataset.batches(_on_device(iter(parts.train_batches), parts.device), parts.train_batches)
-        window_start, window_steps = time.perf_counter(), 0
+        window_start, window_tokens = time.perf_counter(), 0
         memory = MemoryMetrics(parts.device)
         with (
             PreemptionWatcher(config.resilience.signal_timeout) as preemption,
@@ -415,8 +418,11 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
             while context.step < config.train.max_steps:
                 follow_schedule(model, context.step)  # staged unfreezing: what trains at this step
                 parts.guards.scheduler.check_rates(optimizer, context.step)  # not negative: no step uphill
-                lr = optimizer.param_groups[0]["lr"]
-                local_loss, step_norm, reports = _train_step(parts, batches, config, context.step + 1)
+                plan = ramp.at(context.step, context.tokens_seen)  # this step's micro-batches
+                lr = plan.applied(optimizer.param_groups[0]["lr"])
+                local_loss, step_norm, reports = _train_step(
+                    parts, batches, config, context.step + 1, plan.micro_batches
+                )
                 watchdog.beat()
                 stop_noted = preemption.received is not None
                 step_loss, finite, preempted = agree_on_step(local_loss, step_norm, stop_noted, parts.dims)
@@ -430,7 +436,12 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
                     _handle_bad_step(context, checkpoints, parts.train_batches, manager, loss, grad_norm, bad_steps)
                     continue
                 bad_steps = 0
-                with parts.guards.optimizer.calling("step()", context.step + 1):
+                spikes = context.spike_detector  # [resilience] spike_policy (forge_lm.train.spikes)
+                spike = spikes.check(context.step + 1, step_loss, step_norm) if spikes is not None else None
+                if spike is not None:  # the step is not taken
+                    handle_spike(spikes, spike, context, parts.train_batches, manager, rollback, plan.micro_batches)
+                    continue
+                with parts.guards.optimizer.calling("step()", context.step + 1), plan.scaled_lr(optimizer):
                     optimizer.step()
                 with parts.guards.scheduler.calling("step()", context.step + 1):
                     parts.scheduler.step()
@@ -438,8 +449,8 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
                     parts.loss_scaler.stepped()
                 context.step += 1
                 run.trained = True  # from the first step on, the run directory is kept whatever happens
-                context.tokens_seen += parts.tokens_per_step
-                step, window_steps = context.step, window_steps + 1
+                context.tokens_seen += plan.tokens
+                step, window_tokens = context.step, window_tokens + plan.tokens
                 last = step == config.train.max_steps
                 events.set_step(step)
                 profiler.step(step)
@@ -451,18 +462,21 @@ def _train(config: ForgeConfig, manager: PluginManager, run: RunDirectory, teard
                     metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **reports.logged()}
                     if parts.loss_scaler is not None:  # the scale the next step uses
                         metrics["loss_scale"] = parts.loss_scaler.scale
+                    metrics.update(plan.logged())  # with a batch ramp: this step's batch_size and tokens_per_step
+                    if context.spike_detector is not None:
+                        metrics["spikes"] = context.spike_detector.spikes
                 try:
                     extra = manager.collect_metrics("forge_lm_step_end", context=context, step=step, metrics=metrics)
                     metrics.update(extra)
                 finally:  # the step happened: it is logged even when a plugin's step_end failed
                     if logging:
-                        tokens_per_sec = parts.tokens_per_step * window_steps / (time.perf_counter() - window_start)
+                        tokens_per_sec = window_tokens / (time.perf_counter() - window_start)
                         metrics["tokens_per_sec"] = tokens_per_sec
                         if parts.peak_flops is not None:  # an unknown device logs no MFU (warned once)
                             metrics["mfu"] = _mfu(parts, tokens_per_sec)
                         metrics.update(memory.read())
                         _log(backends, step, metrics)
-                        window_start, window_steps = time.perf_counter(), 0
+                        window_start, window_tokens = time.perf_counter(), 0
 
                 if parts.evaluator and (step % config.eval.interval == 0 or last):
                     checkpoints.note_metrics(step, _evaluate(parts, context, manager))  # for keep_best_n
@@ -597,7 +611,11 @@ def _handle_bad_step(
 
 
 def _train_step(
-    parts: _Parts, batches: Iterator[dict[str, torch.Tensor]], config: ForgeConfig, step: int | None = None
+    parts: _Parts,
+    batches: Iterator[dict[str, torch.Tensor]],
+    config: ForgeConfig,
+    step: int | None = None,
+    micro_batches: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AuxCollector]:
     """Gradients of one optimizer step over ``grad_accum_steps`` micro-batches, clipped; returns
     (this rank's loss, averaged over its micro-batches; the global grad norm before clipping;
@@ -618,7 +636,7 @@ def _train_step(
     model, optimizer, device, dtype = parts.model, parts.optimizer, parts.device, parts.dtype
     guards = parts.guards or Guards.none()  # parts built by hand (tests, benchmarks): nothing named
     context_parallel = parts.context_parallel
-    accum = config.train.grad_accum_steps
+    accum = micro_batches or config.train.grad_accum_steps  # fewer while a batch ramp grows ([train.batch_ramp])
     optimizer.zero_grad(set_to_none=True)
     reports = AuxCollector()
     if parts.pipeline is not None:  # the schedule runs the micro-batches through the stages
@@ -636,10 +654,7 @@ def _train_step(
             sharded_loss = loss_parallel_for(parts.dims.tp, parts.loss_fn)
             calling = guards.model.calling(_PASSES, step)
             with calling, _gradient_sync(model, enabled=sync), collect_aux() as reports, sharded_loss:
-                # [train] activation_offload: what the forward saves waits in host memory (the backward,
-                # outside, brings it back); forge_lm.distributed.offload.
-                autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-                with autocast, saved_activations(config, device):
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                     logits, labels = _forward(model, batch, context_parallel)
                     with guards.loss.calling("its loss function", step):
                         value = parts.loss_fn(logits, labels)

@@ -90,6 +90,9 @@ def save_run(
     scaler = getattr(context, "loss_scaler", None)
     if scaler is not None:  # precision = "fp16": the scale goes on where it was
         state["loss_scale"] = scaler.state_dict()
+    detector = getattr(context, "spike_detector", None)
+    if detector is not None:  # [resilience] spike_policy: a resume judges with the same window
+        state["spikes"] = detector.state_dict()
     compressor = compressor_of(context.model)
     if compressor is not None:  # [distributed.compression]: each rank's error feedback and warm start
         state["grad_compression"] = compressor.state_dict()
@@ -116,6 +119,8 @@ def restore_run(
         scaler_state = None  # absent: a checkpoint of a bf16/fp32 run; the scale starts at init_scale
         if scaler is not None and "loss_scale" in state:
             scaler_state = scaler.checked_state(state["loss_scale"])  # before anything is loaded
+        detector = getattr(context, "spike_detector", None)  # absent: saved without a spike policy
+        spikes_state = detector.checked_state(state["spikes"]) if detector is not None and "spikes" in state else None
         compressor = compressor_of(context.model)
         if compressor is not None:  # a damaged state raises ValueError: the checkpoint is passed over
             note = compressor.load_state_dict(state.get("grad_compression"))
@@ -132,6 +137,8 @@ def restore_run(
             train_batches.load_state_dict(state["data"])
         if scaler_state is not None:
             scaler.load_state_dict(scaler_state)
+        if spikes_state is not None:
+            detector.load_state_dict(spikes_state)
 
     # Staged parameters trainable while loading: the optimizer's state has a place for those that
     # had started training when the checkpoint was written (forge_lm.model.freezing).
@@ -179,12 +186,15 @@ def roll_back(
 ) -> int | None:
     """``nan_policy = "rollback"``: restore the newest checkpoint but keep the data position, so
     that the run goes on past the data read since (not back to the batch that broke it). The
-    step restored, or None when there is no checkpoint."""
+    step restored, or None when there is no checkpoint. A ``rollback`` event names the loader
+    batches skipped: those read after the checkpoint's position, up to the one read last."""
     checkpoints.wait()
     data_position = train_batches.state_dict()
     if not restore_run(checkpoints, context, train_batches, manager, at_start=False):
         return None
+    skipped = [train_batches.batches + 1, data_position["batches"]]  # the checkpoint's position, then now
     train_batches.load_state_dict(data_position)
+    events.record("rollback", to_step=context.step, skipped_batches=skipped)
     return context.step
 
 
