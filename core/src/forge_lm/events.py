@@ -31,6 +31,7 @@ EVENTS_FILE = "events.jsonl"
 EVENT_TYPES: dict[str, str] = {
     "start": "a start of the run: plugins (name and version), config_hash, world_size, resuming",
     "resume": "a checkpoint was restored: from_step, checkpoint",
+    "init_from": "a run started from grown init_from weights: source, tensors (name, how, source, shape, note)",
     "checkpoint_saved": "a checkpoint was written: checkpoint, seconds, bytes",
     "checkpoint_skipped": "a checkpoint was passed over when loading: checkpoint, reason",
     "checkpoint_failed": "a checkpoint save failed: reason, and action (what the run does about it)",
