@@ -276,12 +276,14 @@ def forge_lm_register_model_transforms(register: Any) -> None:
     Factory: ``factory(options) -> forge_lm.distributed.ModelTransform(slot, enabled, apply)``.
     The training path applies every transform whose ``enabled(context)`` is true, in the
     order of :data:`forge_lm.distributed.TRANSFORM_ORDER` (adaptation, tensor_parallel,
-    expert_parallel, float8, activation_checkpointing, compile, data_parallel), by name within
-    a slot, all before the optimizer is built; ``apply(model, context)`` changes the model in
-    place, keeps parameter names, never changes ``context.config`` and leaves some parameter
-    to train (one that freezes them all stops the run naming it, exit 4). Transforms that are
-    not parallelisms (freezing, LoRA, pruning) use the ``adaptation`` slot; one that freezes
-    parameters for the first steps only calls :func:`forge_lm.model.freezing.freeze_until`. See
+    model_parallel, precision, activation_checkpointing, compile, data_parallel: slots named by
+    role; ``expert_parallel`` and ``float8``, their names in plugin API 1.0, are still accepted
+    for ``model_parallel`` and ``precision``), by name within a slot, all before the optimizer
+    is built; ``apply(model, context)`` changes the model in place, keeps parameter names,
+    never changes ``context.config`` and leaves some parameter to train (one that freezes them
+    all stops the run naming it, exit 4). Transforms that are not parallelisms (freezing, LoRA,
+    pruning) use the ``adaptation`` slot; one that freezes parameters for the first steps only
+    calls :func:`forge_lm.model.freezing.freeze_until`. See
     docs/distributed.md.
     """
 

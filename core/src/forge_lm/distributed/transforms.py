@@ -1,8 +1,9 @@
 """Model transforms: parallelisms and other rewrites of a built model, applied in one fixed order.
 
-Order of the slots (each transform registers into one; the core does not know which exist)::
+Order of the slots (each transform registers into one; the core does not know which exist).
+Each is named by its role, not by a transform that fills it::
 
-    adaptation -> tensor_parallel -> expert_parallel -> float8 -> activation_checkpointing -> compile
+    adaptation -> tensor_parallel -> model_parallel -> precision -> activation_checkpointing -> compile
     -> data_parallel
 
 Why this order: ``adaptation`` holds the transforms that are not parallelisms but change what
@@ -13,9 +14,11 @@ parameter frozen here is not in it), and those frozen for the first steps only
 (:func:`forge_lm.model.freezing.freeze_until`: staged unfreezing). Under ``torchrun`` the model is still on the meta
 device: a parameter a transform adds gets its values when the model is initialised (the
 default rule for ``nn.Linear``, or its module's ``init_weights(init)``). Tensor parallelism
-replaces weights with DTensors sharded over the ``tp`` mesh, so it comes next; expert
-parallelism (a plugin's slot) then splits experts over ``ep``; float8 swaps linear layers
-for ones that see the final local shapes; activation checkpointing wraps the computation of
+replaces weights with DTensors sharded over the ``tp`` mesh, so it comes next;
+``model_parallel`` holds the parallelisms that split modules over mesh dimensions of their own
+after it (forge-moe's expert parallelism over ``ep``); ``precision`` the transforms that change
+the number formats of layers, which must see the final local shapes (forge-float8's float8
+linear layers); activation checkpointing wraps the computation of
 each block, which ``torch.compile`` then traces (checkpointing included) and FSDP2 shards as
 one unit; FSDP2 comes last, around the
 compiled blocks, so that its hooks (the parameters' all-gathers and the gradients'
@@ -47,12 +50,20 @@ from forge_lm.plugins._calls import PluginHookFailed, describe
 TRANSFORM_ORDER = (
     "adaptation",
     "tensor_parallel",
-    "expert_parallel",
-    "float8",
+    "model_parallel",
+    "precision",
     "activation_checkpointing",
     "compile",
     "data_parallel",
 )
+
+FORMER_SLOT_NAMES = {"expert_parallel": "model_parallel", "float8": "precision"}
+"""Slot names of plugin API 1.0, named after the first plugin to fill them, still accepted as the
+slot they became (a transform built with ``slot="float8"`` has ``slot == "precision"``)."""
+
+
+def _current_slot(slot: str) -> str:
+    return FORMER_SLOT_NAMES.get(slot, slot) if isinstance(slot, str) else slot
 
 
 @attrs.frozen
@@ -75,9 +86,10 @@ class TransformContext:
 
 @attrs.frozen
 class ModelTransform:
-    """One registered transform: its slot in :data:`TRANSFORM_ORDER` and two callables."""
+    """One registered transform: its slot in :data:`TRANSFORM_ORDER` (a former name in
+    :data:`FORMER_SLOT_NAMES` becomes the current one) and two callables."""
 
-    slot: str
+    slot: str = attrs.field(converter=_current_slot)
     enabled: Callable[[TransformContext], bool]
     apply: Callable[[nn.Module, TransformContext], None]
 

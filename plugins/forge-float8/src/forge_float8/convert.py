@@ -230,7 +230,7 @@ def _apply(options: Float8Options, model: nn.Module, context: TransformContext) 
 
 
 def float8_transform(options: Float8Options) -> ModelTransform:
-    """The ``float8`` transform (slot ``float8``): on when ``[transforms.float8] enabled = true``."""
+    """The ``float8`` transform (slot ``precision``): on when ``[transforms.float8] enabled = true``."""
     return ModelTransform(
-        slot="float8", enabled=lambda context: options.enabled, apply=functools.partial(_apply, options)
+        slot="precision", enabled=lambda context: options.enabled, apply=functools.partial(_apply, options)
     )

@@ -157,7 +157,7 @@ def _apply_expert_parallel(model: nn.Module, context: TransformContext) -> None:
 def expert_parallel_transform(options: object) -> ModelTransform:
     """The ``expert_parallel`` transform: on when ``[distributed] ep > 1``."""
     return ModelTransform(
-        slot="expert_parallel", enabled=lambda context: context.dims.ep > 1, apply=_apply_expert_parallel
+        slot="model_parallel", enabled=lambda context: context.dims.ep > 1, apply=_apply_expert_parallel
     )
 
 
@@ -168,12 +168,12 @@ def _apply_load_sync(model: nn.Module, context: TransformContext) -> None:
 
 
 def load_sync_transform(options: object) -> ModelTransform:
-    """The ``moe_load_sync`` transform (slot ``expert_parallel``), on with more than one
+    """The ``moe_load_sync`` transform (slot ``model_parallel``), on with more than one
     data-parallel rank: a router's pending expert load (the sigmoid router's balancing rule) is
     summed over the data-parallel ranks before its update, so every rank moves its bias from the
     global batch's load, as one process would, and the biases stay identical."""
     return ModelTransform(
-        slot="expert_parallel",
+        slot="model_parallel",
         enabled=lambda context: context.dims.dp_size > 1 and _is_moe(context),
         apply=_apply_load_sync,
     )
