@@ -157,6 +157,12 @@ class MoELayer(nn.Module):
         for counts in (self.routed_load, self.dropped_load, self.routed_slots, self.routing_faults):
             init.zeros(counts)
 
+    def grow_source(self, source: Any, shapes: Any, rules: Any, generator: Any) -> dict[str, torch.Tensor]:
+        """More experts than the source's (``[checkpoint.growth] experts``): :func:`forge_moe.growth.grow_experts`."""
+        from forge_moe.growth import grow_experts
+
+        return grow_experts(source, shapes, rules, generator)
+
     def active_parameter_count(self) -> int:
         """Per token: the whole router (it scores every expert), ``top_k`` experts, the shared experts."""
         count = sum(p.numel() for p in self.router.parameters())
