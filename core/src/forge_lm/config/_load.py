@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import tomli_w
 
-from forge_lm.config._converter import CliValue, converter, describe
+from forge_lm.config._converter import CliValue, _parse_cli_array, converter, describe
 from forge_lm.config._schema import (
     ARRAY,
     CATEGORY,
@@ -201,8 +201,12 @@ class _Walker:
     def _value(self, value: Any, tp: Any, where: str, key: str) -> Any:
         item = _table_array_item(tp)
         if item is not None:  # an array of tables ([[data.phases]]): each one walked like a section
+            given, tables = describe(value), f"[[{_join(where, key)}]]"
+            if isinstance(value, CliValue):  # on the command line: a TOML array of inline tables
+                value = _cli_tables(value)
+                example = ", ".join(f"{f.name} = ..." for f in attrs.fields(item) if f.default is attrs.NOTHING)
+                tables += f"; on the command line inline tables, --{_join(where, key)}='[{{{example}}}, ...]'"
             if not isinstance(value, list | tuple) or not all(isinstance(t, Mapping) for t in value):
-                tables, given = f"[[{_join(where, key)}]]", describe(value)
                 raise ConfigError(f"{_name(where, key)}: expected an array of tables ({tables}), got {given}.")
             return [self.structure(item, table, f"{_join(where, key)}[{i}]") for i, table in enumerate(value)]
         if isinstance(value, Mapping) and not _accepts_table(tp):
@@ -472,6 +476,14 @@ def _toml_value(value: Any) -> str:
         return tomli_w.dumps({"v": value}).removeprefix("v = ").strip()
     except Exception:  # noqa: BLE001 - only a note; a value TOML cannot write is shown as Python does
         return repr(value)
+
+
+def _cli_tables(value: CliValue) -> Any:
+    """``--section.key=[{a = 1}, {a = 2}]`` as TOML reads it, or None if it is not a TOML array."""
+    try:
+        return _parse_cli_array(value)
+    except ValueError:
+        return None
 
 
 def _accepts_table(tp: Any) -> bool:
