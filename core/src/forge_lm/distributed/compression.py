@@ -190,7 +190,9 @@ class PowerSGD:
         size (a parameter without a gradient this step): the caller then averages it whole."""
         # torch 2.13's FSDP2 keeps the layout in its (private) parameter group; a unit of Forge's has one.
         group = unit._get_fsdp_state()._fsdp_param_groups[0]
-        names = self._parameter_names()
+        if self._names is None or any(p.sharded_param not in self._names for p in group.fsdp_params):
+            self._names = self._parameter_names()
+        names = self._names
         shards, offset = [], 0
         for fsdp_param in group.fsdp_params:
             if not fsdp_param.sharded_param.requires_grad:
@@ -202,11 +204,10 @@ class PowerSGD:
         return shards if offset == flat.numel() else None
 
     def _parameter_names(self) -> dict[nn.Parameter, str]:
-        # Looked up on first use: materializing the model (to_empty) may replace the parameters.
-        if self._names is None:
-            model = self._model() if self._model is not None else None
-            self._names = {p: name for name, p in model.named_parameters()} if model is not None else {}
-        return self._names
+        """The model's parameters by object. Looked up again when one is missing: materializing
+        the model and FSDP2's lazy initialisation may replace the parameter objects."""
+        model = self._model() if self._model is not None else None
+        return {p: name for name, p in model.named_parameters()} if model is not None else {}
 
     # -- the checkpoint -------------------------------------------------------------------------
 
@@ -244,7 +245,7 @@ class PowerSGD:
             raise ValueError("its gradient compression state counts reductions wrongly")
         errors = _checked_tensors(mine["errors"], "errors", matrix=True)
         factors = _checked_tensors(mine["factors"], "factors", matrix=True)
-        device = next(iter(self._parameter_names()), torch.empty(0)).device
+        device = next(iter(self._parameter_names()), torch.empty(0)).device  # where the gradients are
         for name in self.reductions:
             self.reductions[name] = reductions.get(name, 0)
         self.errors = {name: t.to(device) for name, t in errors.items()}
