@@ -116,6 +116,7 @@ SLOW_TESTS: tuple[str, ...] = (
     "tests/core/observability/test_collective_timeout.py",
     "tests/core/observability/test_hang_under_torchrun.py",
     "tests/core/distributed/test_fp16_ranks.py",
+    "tests/core/train/test_growth_fsdp.py",
     "tests/core/observability/test_health.py::test_doctor_under_torchrun_reports_the_health_check_of_each_rank",
     "tests/core/observability/test_health.py::test_doctor_under_torchrun_fails_naming_a_slow_rank",
     "tests/hostile/test_distributed.py",
