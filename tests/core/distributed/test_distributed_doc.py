@@ -20,6 +20,9 @@ def test_the_section_table_lists_every_key_with_its_default():
     assert sorted(rows) == sorted(fields)
     for key, default in fields.items():
         written = rows[key]
+        if attrs.has(type(default)):  # a table of its own ([distributed.compression]), described in its section
+            assert written == "(table)", key
+            continue
         if isinstance(default, bool):
             assert written == str(default).lower(), key
         else:
