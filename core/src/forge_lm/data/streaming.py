@@ -58,7 +58,7 @@ import torch
 
 from forge_lm.components import DataContext
 from forge_lm.data._random import hash_keys
-from forge_lm.data.hf_text import corpus_name, first_bad_line, load_hub, reader, text_field, unreadable
+from forge_lm.data.hf_corpus import corpus_name, first_bad_line, load_hub, reader, text_field, unreadable
 from forge_lm.data.packing import check_tokenizer, window_sample
 from forge_lm.data.sampler import KeyedPermutation
 from forge_lm.data.shards import token_dtype
