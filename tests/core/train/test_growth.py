@@ -56,7 +56,7 @@ def test_zero_depth_growth_computes_what_the_small_model_did(source, manager, tm
     assert tensors["tok_embeddings.weight"]["how"] == "copied"
     table = capsys.readouterr().err
     assert "grew" in table
-    assert re.search(r"layers\.1\.attention\.wo\.weight +- +\[32, 32\] +new \(zeros\)", table)
+    assert re.search(r"layers\.1\.attention\.wo\.weight +\[32, 32\] +\[32, 32\] +new \(zeros\)", table)
 
 
 def test_wider_feed_forward_and_zero_depth_together_compute_what_the_small_model_did(
@@ -123,13 +123,13 @@ def test_a_wider_feed_forward_without_the_width_rule_is_refused_naming_the_tenso
 
 
 def test_a_wider_residual_stream_is_refused_even_with_the_width_rule(source, manager, tmp_path):  # noqa: F811
-    run_dir, _, _ = source
-    overrides = ("--model.dim=64", "--checkpoint.growth.width=preserve", f"--checkpoint.init_from={run_dir}")
+    _, small, _ = source
+    config = _config(manager, tmp_path / "unused", "--model.dim=64", "--checkpoint.growth.width=preserve")
+    model = build_model(config.model, VOCAB, manager.registry, seed=0)
     with pytest.raises(
         ConfigError, match=r"'tok_embeddings\.weight' is \[257, 32\] in the source but \[257, 64\] here"
     ):
-        train(_config(manager, tmp_path / "new", *overrides), manager)
-    assert not (tmp_path / "new").exists()
+        grow(small.state_dict(), model, get_model_state_dict(model), config.checkpoint.growth, 0, "small")
 
 
 def test_depth_zero_is_refused_where_a_layer_declares_no_residual_projection(source, manager, tmp_path, monkeypatch):  # noqa: F811
