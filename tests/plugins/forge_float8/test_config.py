@@ -62,6 +62,12 @@ def test_combinations_torchao_or_the_plugin_cannot_do_are_refused_naming_the_fix
     assert str(caught.value) == message
 
 
+def test_fp16_is_refused_at_validation_naming_both_settings(float8_manager):
+    with pytest.raises(ConfigError, match=r"^\[transforms.float8\] enabled = true with \[train\] precision = 'fp16'"):
+        configured(float8_manager, "--train.precision=fp16")
+    configured(float8_manager, "--train.precision=fp16", "--transforms.float8.enabled=false")  # off: no concern
+
+
 def test_tensor_parallelism_without_float8_is_not_the_plugins_business(float8_manager):
     configured(float8_manager, "--distributed.tp=2", "--transforms.float8.enabled=false")
 

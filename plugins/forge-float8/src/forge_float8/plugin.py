@@ -80,6 +80,13 @@ def forge_lm_configure(config):
         )
     if not options.enabled:
         return
+    if config.train.precision == "fp16":
+        raise ConfigError(
+            "[transforms.float8] enabled = true with [train] precision = 'fp16': forge-float8 does not support fp16. "
+            "torchao's float8 training takes bf16 or fp32 as its high precision, and the float8 casts have not been "
+            "run under fp16 autocast with Forge's loss scaling. Set precision = 'bf16' (float8 needs an Ada or "
+            "Hopper GPU, which has bf16), or enabled = false."
+        )
     if config.distributed.tp > 1:
         raise ConfigError(
             f"[transforms.float8] enabled = true with [distributed] tp = {config.distributed.tp}: forge-float8 "
