@@ -109,17 +109,17 @@ class BatchRamp:
             if value % per_micro:
                 raise ConfigError(
                     f"[train.batch_ramp] {key} = {value} is not a multiple of {unit} sequences: the global batch "
-                    "grows by whole micro-batches on every rank"
+                    "grows by whole micro-batches on every rank."
                 )
         if ramp.start_batch_size >= full:
             raise ConfigError(
                 f"[train.batch_ramp] start_batch_size = {ramp.start_batch_size} must be below the full global batch "
-                f"(batch_size x grad_accum_steps x data-parallel ranks = {full} sequences)"
+                f"(batch_size x grad_accum_steps x data-parallel ranks = {full} sequences)."
             )
         if (full - ramp.start_batch_size) % increment:
             raise ConfigError(
                 f"[train.batch_ramp] increment = {increment} does not divide the growth from start_batch_size to the "
-                f"full global batch ({full} - {ramp.start_batch_size} = {full - ramp.start_batch_size} sequences)"
+                f"full global batch ({full} - {ramp.start_batch_size} = {full - ramp.start_batch_size} sequences)."
             )
         return cls(
             sequences_per_micro=per_micro,
@@ -131,6 +131,13 @@ class BatchRamp:
             ramp_tokens=ramp.ramp_tokens,
             lr_scaling=ramp.lr_scaling,
         )
+
+    @classmethod
+    def check(cls, config: Any, dp_size: int) -> None:
+        """Refuse (ConfigError) a ramp that does not fit ``dp_size`` data-parallel ranks, as a
+        run of that layout would: for ``forge config validate``."""
+        train = config.train
+        cls.for_run(config, train.batch_size * train.seq_len * train.grad_accum_steps * dp_size)
 
     @property
     def ramping(self) -> bool:

@@ -32,6 +32,7 @@ from forge_lm.model.memory import (
     model_vocab_size,
     refusal,
 )
+from forge_lm.train.batch_ramp import BatchRamp
 from forge_lm.train.device import autocast_dtype, resolve_device
 
 GIB = 2**30
@@ -80,6 +81,7 @@ def validation_report(config: ForgeConfig, registry: Any, simulated: SimulatedLa
         world_size = detect_launch().world_size
         dims = _degrees_for_this_launch(config, world_size)
     check_family_supports(config, vocab_size, registry, dims)  # the layout against what the model declares
+    BatchRamp.check(config, dims.dp_size)  # [train.batch_ramp] against the data-parallel ranks
     # Offloading's rules on the layout hold for a launch whose ranks are known (this one under
     # torchrun, or the simulated one); outside torchrun the config is for a launch not made yet.
     launched = dims if simulated.world_size is not None or world_size > 1 else None
