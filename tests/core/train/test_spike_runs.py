@@ -9,6 +9,7 @@ any batch trained on that should not have been (or the other way round) shows in
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from forge_lm.config import load_config
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.testing import TINY_MODEL
+from forge_lm.testing.distributed import torchrun
 from forge_lm.train import train
 from forge_lm.train.spikes import SpikesPersist
 
@@ -176,3 +178,39 @@ def test_spikes_in_a_row_stop_the_run_with_exit_3(runs):
     with pytest.raises(SpikesPersist, match=r"stopping after 2 spikes in a row \(resilience.max_spike_steps = 2\)"):
         runs("--resilience.spike_policy=skip", "--data.spike_batches=[6,7]", "--resilience.max_spike_steps=2")
     assert SpikesPersist.exit_code == 3
+
+
+SITE_MODULE = """
+from test_spike_runs import _SpikyPlugin
+
+FORGE_LM_PLUGIN_API = ">=1,<2"
+forge_lm_register_datasets = _SpikyPlugin().forge_lm_register_datasets
+"""
+
+
+def test_two_ranks_take_the_same_decisions_as_one_process(runs, tmp_path):
+    """Under torchrun (2 ranks, gloo, FSDP2) both ranks judge the all-reduced loss against the
+    same window: they skip and roll back together (a rank deciding alone would hang the next
+    collective), at the step the one-process run did, naming the same batches."""
+    (tmp_path / "forge_spiky_site.py").write_text(SITE_MODULE)
+    info = tmp_path / "forge_spiky_site-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: forge-spiky-site\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[forge_lm]\nspiky = forge_spiky_site\n")
+    path = os.pathsep.join([str(tmp_path), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    policy = ("--resilience.spike_policy=rollback", "--data.spike_batches=[6]", "--checkpoint.interval=4")
+    run_dir = tmp_path / "run"
+    done = torchrun(
+        ["-m", "forge_lm", "train", *RUN, *policy, "--distributed.dp_shard=2", f"--train.output_dir={run_dir}"],
+        env={"PYTHONPATH": path},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    alone = runs(*policy)
+    for kind in ("loss_spike", "rollback"):
+        drop = ("time", "value", "mean", "std", "threshold", "rank")  # the values: FSDP2's sums, not bitwise
+        assert [{k: v for k, v in e.items() if k not in drop} for e in events(run_dir, kind)] == [
+            {k: v for k, v in e.items() if k not in drop} for e in events(alone, kind)
+        ]
+    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 5, 6, 7, 8]
