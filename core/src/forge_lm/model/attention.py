@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,16 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
     from forge_lm.components import AttentionSpec, Initializer
-    from forge_lm.distributed.context_parallel import ContextParallel
+
+
+class SequenceGather(Protocol):
+    """All that attention needs of context parallelism: every rank's slice of the sequence,
+    concatenated along ``dim`` in rank order, differentiably (the gradients of every rank's
+    queries flow back to the rank that owns the keys). Implemented by
+    :class:`forge_lm.distributed.context_parallel.ContextParallel`, which the model's set-up
+    spreads to its attention layers."""
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
 
 
 class Attention(nn.Module):
@@ -63,7 +72,7 @@ class Attention(nn.Module):
     gathered keys.
     """
 
-    context_parallel: ContextParallel | None = None
+    context_parallel: SequenceGather | None = None
 
     def __init__(
         self,
