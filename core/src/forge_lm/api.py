@@ -46,6 +46,12 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "report_loss_term": ("forge_lm.losses.aux", "report_loss_term"),
     "collecting_aux": ("forge_lm.losses.aux", "collecting"),
     "is_main_process": ("forge_lm.distributed.launch", "is_main_process"),
+    # A trained run: its checkpoints, the model back from one, files written inside the run.
+    "locate_checkpoint": ("forge_lm.train.inference", "locate_checkpoint"),
+    "load_for_inference": ("forge_lm.train.inference", "load_for_inference"),
+    "refuse_links": ("forge_lm.run_links", "refuse_links"),
+    "make_run_dirs": ("forge_lm.run_links", "make_dirs"),
+    "write_run_text": ("forge_lm.run_links", "write_text"),
     # Plugins and their components: the manager, and naming a component that failed.
     "PluginManager": ("forge_lm.plugins", "PluginManager"),
     "ComponentFailed": ("forge_lm.train.guards", "ComponentFailed"),
@@ -159,5 +165,9 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from forge_lm.model.swiglu import SwiGLU, swiglu_hidden  # noqa: F401
     from forge_lm.model.transformer import Block, Transformer, attention_spec, build_layers  # noqa: F401
     from forge_lm.plugins import PluginManager  # noqa: F401
+    from forge_lm.run_links import make_dirs as make_run_dirs  # noqa: F401
+    from forge_lm.run_links import refuse_links  # noqa: F401
+    from forge_lm.run_links import write_text as write_run_text  # noqa: F401
     from forge_lm.train.guards import COMPONENT_ATTRIBUTE, ComponentFailed  # noqa: F401
     from forge_lm.train.guards import mark as mark_component  # noqa: F401
+    from forge_lm.train.inference import load_for_inference, locate_checkpoint  # noqa: F401

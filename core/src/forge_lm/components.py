@@ -311,6 +311,17 @@ class Initializer(Protocol):
         """The fully-qualified name of ``tensor`` in the model (``layers.3.feed_forward.w1``)."""
 
 
+@runtime_checkable
+class Command(Protocol):
+    """A ``forge`` subcommand a plugin adds (:func:`forge_lm.hookspecs.forge_lm_register_commands`)."""
+
+    def add_arguments(self, parser: Any) -> None:
+        """Add the command's arguments to its ``argparse.ArgumentParser``."""
+
+    def run(self, args: Any, plugins: Any) -> int:
+        """Run the command with the parsed ``args`` and the loaded plugins; return the exit code."""
+
+
 # -- capabilities a module may have ---------------------------------------------------------
 # The core asks a model's modules for these with isinstance (runtime-checkable: only the
 # presence of the member is checked); a module without one gets the core's default behaviour.

@@ -288,6 +288,30 @@ def forge_lm_register_model_transforms(register: Any) -> None:
     """
 
 
+@hookspec
+def forge_lm_register_commands(register: Any) -> None:
+    """Add ``forge`` subcommands: ``register(name, command, description="one line for --help")``.
+
+    ``name`` is what users type after ``forge`` (lower-case letters, digits and ``-``); it may
+    not be a command of the core (``forge train``...) nor one another loaded plugin registered:
+    either makes this plugin broken, the reason naming the clash. ``command`` is an object, or a
+    ``"module:attribute"`` string imported only when the command runs or ``forge --help`` lists
+    it, with two methods (:class:`forge_lm.components.Command`):
+
+    - ``add_arguments(parser)``: add the command's arguments to its ``argparse`` parser (the
+      core adds the plugin switches, ``--block-plugin`` and the rest, itself);
+    - ``run(args, plugins) -> int``: do the work; ``args`` is the parsed namespace, ``plugins``
+      the loaded :class:`forge_lm.api.PluginManager` (whose registry holds this plugin's
+      components); the return value is the exit code.
+
+    A :class:`forge_lm.errors.ForgeError` raised by either is shown as it is (one line, its
+    exit code: 2 for a usage or config mistake); anything else, or an object without the two
+    methods, is reported as the plugin's bug naming the plugin and its distribution (exit 4).
+    A command of a disabled plugin is not offered; ``forge <name>`` then says which plugin
+    provides it when that is a first-party one.
+    """
+
+
 # --------------------------------------------------------------------------------------
 # Interoperability: conversions a plugin's components need. The first plugin answering wins.
 # --------------------------------------------------------------------------------------

@@ -98,11 +98,12 @@ def test_the_printed_table_and_line_are_what_forge_eval_prints(make_run, tmp_pat
 def test_the_message_without_the_plugin_is_the_one_forge_eval_prints(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(_main, "plugin_manager", lambda args: PluginManager(PluginSettings(), entry_points=False))
     assert main(["eval", str(tmp_path), "--tasks", "choice.yaml"]) == 2
-    assert capsys.readouterr().err == block("", "forge: error: forge eval runs the evaluator")
+    assert capsys.readouterr().err == block("", "forge: error: forge eval is a command of")
 
 
 @pytest.mark.parametrize("name", ["lm_eval"])
 def test_the_plugin_and_evaluator_names_are_the_registered_ones(name):
     plugin = PluginManager(PluginSettings(allow=(name,))).plugin(name)
     assert (plugin.distribution, plugin.components) == ("forge-lm-eval", {"evaluators": [name]})
+    assert plugin.commands == ["eval"]
     assert f"the plugin `{name}` (distribution `forge-lm-eval`), which registers the\nevaluator `{name}`" in TEXT

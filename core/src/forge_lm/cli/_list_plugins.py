@@ -122,9 +122,18 @@ def list_plugins(manager: PluginManager, *, as_json: bool) -> int:
         if plugin.reason:
             status.append(f": {plugin.reason}")
         listed = "\n".join(
-            f"{category}: {', '.join(sorted(plugin.components[category]))}"
-            for category in CATEGORIES
-            if plugin.components.get(category)
+            [
+                *(
+                    f"{category}: {', '.join(sorted(plugin.components[category]))}"
+                    for category in CATEGORIES
+                    if plugin.components.get(category)
+                ),
+                *(
+                    [f"commands: {', '.join(f'forge {name}' for name in sorted(plugin.commands))}"]
+                    if plugin.commands
+                    else []
+                ),
+            ]
         )
         table.add_row(plugin.name, plugin.distribution, plugin.version, status, listed or "-")
     # A pipe or CI log gets a table wide enough not to fold every cell.

@@ -5,8 +5,10 @@ from __future__ import annotations
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-PLUGIN_API_VERSION = "1.0"
-"""Bumped in its major part when a hook or a component contract changes incompatibly."""
+PLUGIN_API_VERSION = "1.1"
+"""Bumped in its major part when a hook or a component contract changes incompatibly, in its minor
+part when one is added. 1.1: ``forge_lm_register_commands``; the protocols of
+:mod:`forge_lm.components` that replace attribute probes; transform slots named by role."""
 
 API_ATTRIBUTE = "FORGE_LM_PLUGIN_API"
 """Module attribute in which a plugin declares the API range it supports, e.g. ``">=1,<2"``."""

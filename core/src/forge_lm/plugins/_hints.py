@@ -21,6 +21,10 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
 }
 
 
+# forge subcommands a first-party plugin adds (forge_lm_register_commands).
+KNOWN_COMMANDS: dict[str, str] = {"eval": "forge-lm-eval"}
+
+
 # Hugging Face model types (config.json's model_type) that a first-party plugin converts.
 KNOWN_HF_MODEL_TYPES: dict[str, str] = {
     "mixtral": "forge-moe",

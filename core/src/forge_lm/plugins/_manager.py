@@ -28,6 +28,7 @@ from forge_lm.hookspecs import PROJECT_NAME
 from forge_lm.plugins._api import API_ATTRIBUTE, api_incompatibility
 from forge_lm.plugins._calls import PluginHookFailed, call_each, checked_metrics, checkpoint_problem, describe, warn
 from forge_lm.plugins._categories import CATEGORIES, registration_hook, singular
+from forge_lm.plugins._commands import PluginCommand, make_command
 from forge_lm.plugins._model import Component, PluginInfo, PluginStatus, check_component_name
 from forge_lm.plugins._registry import Registry
 from forge_lm.plugins._settings import PluginSettings
@@ -90,6 +91,7 @@ class PluginManager:
         self.settings = settings if settings is not None else PluginSettings.from_env()
         self.plugins: list[PluginInfo] = []
         self.registry = Registry(self.plugins)
+        self.commands: dict[str, PluginCommand] = {}  # the forge subcommands loaded plugins add, by name
         self.warnings: list[str] = []
         self._warned: set[tuple[str, str]] = set()  # (plugin, hook) pairs already warned about
         self._hooks = _HookManager(PROJECT_NAME)
@@ -192,13 +194,19 @@ class PluginManager:
             incompatible = api_incompatibility(declared, info.module)
             try:
                 components = self._collect_registrations(info, plugin)
+                commands = self._collect_commands(info, plugin)
             except _PluginFailure:
                 if incompatible is None:
                     raise
-                components = []  # the incompatibility explains the failure better
+                components, commands = [], []  # the incompatibility explains the failure better
             for component in components:
                 self.registry.add(component)
                 info.components.setdefault(component.category, []).append(component.name)
+            if incompatible:
+                commands = []  # not offered, as its components are not
+            for command in commands:
+                self.commands[command.name] = command
+                info.commands.append(command.name)
             if incompatible:
                 info.status, info.reason = PluginStatus.INCOMPATIBLE, incompatible
                 self._hooks.unregister(plugin)  # its lifecycle hooks must not run either
@@ -243,6 +251,35 @@ class PluginManager:
                 raise _PluginFailure(problem)
             seen.add(key)
         return components
+
+    def _collect_commands(self, info: PluginInfo, plugin: object) -> list[PluginCommand]:
+        """Run the plugin's ``forge_lm_register_commands``; a name taken by another plugin (or
+        twice by this one) makes it broken."""
+        commands: list[PluginCommand] = []
+        for impl in self._hooks.hook.forge_lm_register_commands.get_hookimpls():
+            if impl.plugin is not plugin:
+                continue
+
+            def register(name: str, command: Any, description: str = "") -> None:
+                commands.append(make_command(info, name, command, description))
+
+            register.__qualname__ = "register"
+            try:
+                impl.function(**{arg: register for arg in impl.argnames})
+            except Exception as exc:  # any error in a plugin's hook makes it broken
+                raise _PluginFailure(f"{impl.function.__name__} failed: {describe(exc)}") from exc
+        seen: set[str] = set()
+        for command in commands:
+            owner = self.commands.get(command.name)
+            if owner is not None:
+                raise _PluginFailure(
+                    f"registers command '{command.name}', which {owner.plugin.label} registered first; "
+                    "a command name belongs to one plugin"
+                )
+            if command.name in seen:
+                raise _PluginFailure(f"registers command '{command.name}' twice")
+            seen.add(command.name)
+        return commands
 
     def _warn_about_unmatched_switches(self, entry_points: bool) -> None:
         if not entry_points:

@@ -35,6 +35,7 @@ class PluginInfo:
     reason: str | None = None
     api_range: str | None = None
     components: dict[str, list[str]] = attrs.Factory(dict)
+    commands: list[str] = attrs.Factory(list)  # the forge subcommands it adds (forge_lm_register_commands)
 
     @property
     def label(self) -> str:
@@ -52,6 +53,7 @@ class PluginInfo:
             "reason": self.reason,
             "api_range": self.api_range,
             "components": {cat: sorted(names) for cat, names in sorted(self.components.items())},
+            "commands": sorted(self.commands),
         }
 
 

@@ -49,6 +49,26 @@ def load_for_inference(path: str | Path, manager: Any) -> tuple[torch.nn.Module,
     return model.eval(), config, tokenizer
 
 
+def locate_checkpoint(path: str | Path) -> tuple[Path, Path, int | None]:
+    """``(checkpoint to load, run directory, step)`` for a run directory or one of its
+    ``checkpoints/step_<N>`` directories, before anything is loaded. Of a run, the newest
+    checkpoint that passes the checks that load no tensor (those of ``forge doctor``), after a
+    warning for each newer one passed over; a newest one that names code to run is left to
+    :func:`load_for_inference`, which refuses it. A path that is neither comes back as it is
+    (step None), for the loader to say what is wrong with it."""
+    path = Path(path)
+    if step_of(path) is not None and path.parent.name == CHECKPOINTS:
+        return path, path.parent.parent, step_of(path)
+    if (path / CONFIG_FILE).is_file():
+        for candidate, problem in CheckpointManager(path).survey():
+            if problem is None:
+                return candidate, path, step_of(candidate)
+            if problem.startswith("UNSAFE"):
+                break
+            print(f"forge: warning: passed over checkpoint {candidate.name}: {problem}", file=sys.stderr)
+    return path, path, None
+
+
 def _check_fits(config: Any, vocab_size: int, registry: Any, run_dir: Path) -> None:
     """Refuse a model whose weights and optimizer state (loaded with it) exceed this host's
     available memory: its numbers come from a file, and building it would be the first

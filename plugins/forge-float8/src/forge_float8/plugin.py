@@ -16,7 +16,7 @@ from forge_lm import hookimpl
 from forge_lm.errors import ConfigError
 from forge_lm.validators import FieldError, one_of
 
-FORGE_LM_PLUGIN_API = ">=1,<2"
+FORGE_LM_PLUGIN_API = ">=1.1,<2"  # 1.1: transform slots named by role
 
 NAME = "float8"
 # torchao's recipe names (torchao.float8.Float8LinearRecipeName), passed through unchanged.

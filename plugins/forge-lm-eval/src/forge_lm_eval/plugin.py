@@ -1,9 +1,9 @@
 """Forge plugin module of forge-lm-eval (entry point group ``forge_lm``).
 
-Registers the ``lm_eval`` evaluator (options in ``[eval.lm_eval]``), which ``forge eval`` uses
-too. Kept free of heavy imports: Forge imports this module to list plugins, and lm-eval (with
-torch, datasets and transformers behind it) is imported only when the evaluator is built
-(``forge_lm_eval.evaluator``).
+Registers the ``lm_eval`` evaluator (options in ``[eval.lm_eval]``) and the ``forge eval``
+command, which runs it on a checkpoint (``forge_lm_eval.command``). Kept free of heavy imports:
+Forge imports this module to list plugins, and lm-eval (with torch, datasets and transformers
+behind it) is imported only when the evaluator is built (``forge_lm_eval.evaluator``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import attrs
 from forge_lm import hookimpl
 from forge_lm.validators import FieldError, positive
 
-FORGE_LM_PLUGIN_API = ">=1,<2"
+FORGE_LM_PLUGIN_API = ">=1.1,<2"  # 1.1: forge_lm_register_commands
 
 
 def _tasks(instance: Any, attribute: Any, value: list[str]) -> None:
@@ -59,4 +59,13 @@ def forge_lm_register_evaluators(register):
         "forge_lm_eval.evaluator:build_lm_eval",
         config=LmEvalOptions,
         description="lm-evaluation-harness tasks (multiple choice, perplexity, generation) on the live model",
+    )
+
+
+@hookimpl
+def forge_lm_register_commands(register):
+    register(
+        "eval",
+        "forge_lm_eval.command:COMMAND",
+        description="run lm-evaluation-harness tasks on a checkpoint (the forge-lm-eval plugin)",
     )

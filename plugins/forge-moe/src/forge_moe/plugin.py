@@ -19,7 +19,7 @@ from forge_lm.api import ComponentConfig, component, model_options
 from forge_lm.errors import ConfigError
 from forge_lm.validators import FieldError, non_negative, one_of, positive
 
-FORGE_LM_PLUGIN_API = ">=1,<2"
+FORGE_LM_PLUGIN_API = ">=1.1,<2"  # 1.1: transform slots named by role
 
 MOE_NAME = "moe"
 
