@@ -69,8 +69,8 @@ from forge_lm.errors import ConfigError
 from forge_lm.metrics.gpu_peaks import gpu_peak_with_source
 from forge_lm.model import build_model
 from forge_lm.model.flops import active_parameter_count, model_flops_per_token
+from forge_lm.model.memory import model_vocab_size
 from forge_lm.plugins import PluginManager, PluginSettings
-from forge_lm.train import loop
 from forge_lm.train.builders import build_dataset
 
 DENSE = [
@@ -204,7 +204,7 @@ class PlainLoop:
         self.device = torch.device(config.train.device)
         self.dtype = torch.bfloat16 if config.train.precision == "bf16" else None
         tokenizer = config.tokenizer.build()
-        vocab_size = loop._vocab_size(config, tokenizer)
+        vocab_size = model_vocab_size(config, tokenizer)
         loader = iter(
             BatchLoader(build_dataset(config, registry, tokenizer, vocab_size, "train"), config.train.batch_size)
         )
@@ -264,7 +264,7 @@ def model_info(overrides: list[str], settings: PluginSettings) -> dict[str, Any]
     ``overrides``, from a build on the meta device (no memory, no side needed)."""
     registry = PluginManager(settings).registry
     config = load_config(None, overrides, registry)
-    vocab_size = loop._vocab_size(config, config.tokenizer.build())
+    vocab_size = model_vocab_size(config, config.tokenizer.build())
     model = build_model(config.model, vocab_size, registry, device="meta")
     active = active_parameter_count(model)
     return {

@@ -62,10 +62,14 @@ from forge_lm.model import build_model
 from forge_lm.model.attention import EAGER_MAX_KEYS, attention_mask, eager_attention, uses_eager
 from forge_lm.model.linear import kernel as linear_kernel
 from forge_lm.model.linear import onednn_available
+from forge_lm.model.memory import model_vocab_size
 from forge_lm.model.swiglu import swiglu_hidden
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.train import loop
 from forge_lm.train.builders import build_dataset
+from forge_lm.train.parts import build_parts
+from forge_lm.train.run import TrainContext
+from forge_lm.train.step import compute_gradients, on_device
 
 # The larger models: label -> (dim, heads, divisor of --steps for their blocks), about 4x and
 # 16x the default model's parameters.
@@ -242,22 +246,22 @@ class ForgeSide:
         registry = manager.registry
         self.config = config = load_config(None, [*overrides, f"--train.output_dir={workdir}"], registry)
         manager.configure(config)
-        self.parts = parts = loop._build(config, manager)  # exactly what forge train builds
+        self.parts = parts = build_parts(config, manager)  # exactly what forge train builds
         self.device, self.dtype = parts.device, parts.dtype
         self.model, self.optimizer, self.scheduler = parts.model, parts.optimizer, parts.scheduler
-        self.vocab_size = loop._vocab_size(config, config.tokenizer.build())
+        self.vocab_size = model_vocab_size(config, config.tokenizer.build())
         # The plain loop's copy: same class, same weights, never compiled.
         self.initial_model = build_model(config.model, self.vocab_size, registry).to(self.device)
         self.initial_model.load_state_dict(self.model.state_dict())
         self.loss_fn, self.loader, self.backends = parts.loss_fn, parts.train_batches, parts.backends
         self.tokens_per_step = parts.tokens_per_step
         self.step_flops, self.peak = parts.flops_per_token, parts.peak_flops
-        self.context = loop.TrainContext(config, workdir, self.model, self.optimizer, self.scheduler)
+        self.context = TrainContext(config, workdir, self.model, self.optimizer, self.scheduler)
         with quiet():
             for backend in self.backends:
                 backend.start(to_data(config), manager.manifest())
             manager.hook.forge_lm_train_start(context=self.context)
-        self.batches = loop._on_device(iter(self.loader), self.device)
+        self.batches = on_device(iter(self.loader), self.device)
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.first: tuple[float, float] | None = None  # (loss, grad norm) of the first step
 
@@ -274,11 +278,11 @@ class ForgeSide:
         """Tokens/s of ``steps`` steps of the training loop's body (``forge_lm.train.loop.train``)."""
         config, context, optimizer = self.config, self.context, self.optimizer
         start = time.perf_counter()
-        # The linear kernel is a process-wide switch that _build set for the last side built.
+        # The linear kernel is a process-wide switch that build_parts set for the last side built.
         with quiet(), linear_kernel(config.train.cpu_linear_kernel):
             for _ in range(steps):
                 lr = optimizer.param_groups[0]["lr"]
-                local_loss, norm, reports = loop._train_step(self.parts, self.batches, config)
+                local_loss, norm, reports = compute_gradients(self.parts, self.batches, config)
                 step_loss, finite, _ = agree_on_step(local_loss, norm, False, self.parts.dims)
                 if not finite:
                     raise RuntimeError("non-finite loss or gradient norm in the benchmark")
@@ -301,7 +305,8 @@ class ForgeSide:
                     tokens_per_sec = self.tokens_per_step * self.window_steps / elapsed
                     metrics["tokens_per_sec"] = tokens_per_sec
                     metrics["mfu"] = mfu(self.step_flops, tokens_per_sec, self.peak)
-                    loop._log(self.backends, step, metrics)
+                    for backend in self.backends:
+                        backend.log(step, metrics)
                     self.window_start, self.window_steps = time.perf_counter(), 0
         if self.device.type == "cuda":
             torch.cuda.synchronize()

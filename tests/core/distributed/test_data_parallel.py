@@ -1,6 +1,6 @@
 """FSDP2 and replicated data parallelism on 2 CPU ranks (gloo) against one process.
 
-The worker runs the training loop's own step (``_build`` + ``_train_step``, with gradient
+The worker runs the training loop's own step (``build_parts`` + ``compute_gradients``, with gradient
 accumulation and clipping) on 2 ranks and the plain single-process step on the same global
 batch, from the same weights, and compares the loss, the gradient norm and every gradient.
 """

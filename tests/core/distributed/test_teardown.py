@@ -191,7 +191,7 @@ def test_a_failing_run_tears_down_without_waiting_for_the_others(
         raise RuntimeError("a rank failed while building")
 
     monkeypatch.setattr(Teardown, "close", recording_close)
-    monkeypatch.setattr(loop, "_build", failing_build)
+    monkeypatch.setattr(loop, "build_parts", failing_build)
     overrides = [*TINY_MODEL, "--train.seq_len=16", f"--train.output_dir={tmp_path / 'run'}"]
     config = load_config(None, overrides, manager.registry)
     with pytest.raises(RuntimeError, match="a rank failed while building"):

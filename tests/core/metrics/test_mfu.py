@@ -138,13 +138,13 @@ def test_a_device_without_a_known_peak_warns_once_and_logs_no_mfu(monkeypatch, c
 
 def test_an_unknown_gpu_trains_and_logs_everything_but_mfu(monkeypatch, manager, tmp_path):
     """The run itself, its peak looked up for a GPU the table lacks: the lookup no longer stops it."""
-    import forge_lm.train.loop as loop
+    import forge_lm.train.parts as parts
     from forge_lm.config import load_config
     from forge_lm.metrics.jsonl import read_metrics
     from forge_lm.train import train
 
     monkeypatch.setattr(
-        loop, "world_peak_with_source", lambda *args: world_peak_with_source("cuda", torch.bfloat16, None, 1)
+        parts, "world_peak_with_source", lambda *args: world_peak_with_source("cuda", torch.bfloat16, None, 1)
     )
     gpu_named(monkeypatch, "NVIDIA B300")
     tiny = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=4", "--model.max_seq_len=32"]
@@ -161,11 +161,12 @@ def test_an_mfu_above_1_against_a_measured_cpu_peak_measures_it_again_once(monke
     """A cached peak measured while the machine was busy is far too low: the first logged MFU
     above 1 makes rank 0 measure again, and the run logs MFU against the new peak from there."""
     import forge_lm.train.loop as loop
+    import forge_lm.train.parts as parts
     from forge_lm.config import load_config
     from forge_lm.metrics.jsonl import read_metrics
     from forge_lm.train import train
 
-    monkeypatch.setattr(loop, "world_peak_with_source", lambda *args: (1.0, "measured: a stale value"))
+    monkeypatch.setattr(parts, "world_peak_with_source", lambda *args: (1.0, "measured: a stale value"))
     calls = []
 
     def remeasure(dtype):

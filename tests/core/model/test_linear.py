@@ -186,12 +186,12 @@ def test_compiles_without_a_graph_break() -> None:
 def test_kernel_names_are_checked_and_a_missing_onednn_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="cpu_linear_kernel must be one of"):
         forge_linear.resolve_kernel("mkl")
-    from forge_lm.train import loop
+    from forge_lm.train import parts
 
     monkeypatch.setattr(forge_linear, "_enabled", forge_linear._enabled)  # restored after the test
     monkeypatch.setattr(forge_linear, "onednn_available", lambda: False)
     with pytest.raises(ConfigError, match="set it to 'auto' or 'aten'"):
-        loop._choose_linear_kernel("onednn", torch.device("cpu"))
-    loop._choose_linear_kernel("auto", torch.device("cpu"))  # auto falls back quietly
+        parts.choose_linear_kernel("onednn", torch.device("cpu"))
+    parts.choose_linear_kernel("auto", torch.device("cpu"))  # auto falls back quietly
     assert kernel_in_use() == "aten"
-    loop._choose_linear_kernel("onednn", torch.device("cuda"))  # a CUDA run never needs it
+    parts.choose_linear_kernel("onednn", torch.device("cuda"))  # a CUDA run never needs it

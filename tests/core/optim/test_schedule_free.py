@@ -152,7 +152,7 @@ def test_the_loop_evaluates_at_the_averaged_point_and_trains_on():
     an optimizer without an evaluation point (AdamW) is left alone."""
     from forge_lm.components import EvaluationPointOptimizer
     from forge_lm.optim.schedule_free import ScheduleFreeAdamW
-    from forge_lm.train.loop import _evaluation_mode
+    from forge_lm.train.step import evaluation_mode
 
     model = torch.nn.Linear(3, 2)
     optimizer = ScheduleFreeAdamW(model.parameters(), lr=0.1, warmup_steps=0)
@@ -167,7 +167,7 @@ def test_the_loop_evaluates_at_the_averaged_point_and_trains_on():
     averaged = model.weight.detach().clone()
     optimizer.train()
     assert not torch.equal(training, averaged)  # the two points differ after a few steps
-    with _evaluation_mode(model, optimizer):
+    with evaluation_mode(model, optimizer):
         assert not model.training
         torch.testing.assert_close(model.weight.detach(), averaged)
     assert model.training

@@ -42,13 +42,13 @@ def tiny_config(tmp_path: Path, manager: PluginManager) -> Callable[..., ForgeCo
 
 @pytest.fixture
 def one_process_parts(manager: PluginManager) -> Callable[..., Any]:
-    """The fields of the loop's ``_Parts`` that ``_train_step`` uses, for one process: what a
-    test needs to run the loop's own step on a model it built."""
+    """The fields of the run's :class:`~forge_lm.train.parts.Parts` that ``compute_gradients``
+    uses, for one process: what a test needs to run the run's own step on a model it built."""
 
     def make(model: torch.nn.Module, config: ForgeConfig, manager: PluginManager = manager) -> Any:
-        from forge_lm.train.loop import _Parts
+        from forge_lm.train.parts import Parts
 
-        fields = {name: None for name in attrs.fields_dict(_Parts)}  # unused by a one-process step
+        fields = {name: None for name in attrs.fields_dict(Parts)}  # unused by a one-process step
         fields.update(
             model=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.0),  # lr 0: only the gradients matter
@@ -56,6 +56,6 @@ def one_process_parts(manager: PluginManager) -> Callable[..., Any]:
             device=torch.device("cpu"),
             dims=ParallelDims(),
         )
-        return _Parts(**fields)
+        return Parts(**fields)
 
     return make

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from forge_lm.train import cpu_memory, loop
+from forge_lm.train import cpu_memory, parts
 
 # Tensors written and freed, eight rounds, counting the process's minor page faults per round:
 # first with glibc's mmap threshold held at its starting value (128 KiB: every tensor is a
@@ -91,8 +91,8 @@ def test_other_c_libraries_and_refusals_change_nothing(monkeypatch):
 
 def test_the_run_keeps_memory_only_on_cpu_and_when_asked(monkeypatch):
     calls: list[str] = []
-    monkeypatch.setattr(loop, "keep_freed_memory", lambda: calls.append("kept") or "kept")
-    assert loop._cpu_memory(True, torch.device("cpu")) == "kept"
-    assert loop._cpu_memory(False, torch.device("cpu")) == "not changed: [train] cpu_keep_freed_memory = false"
-    assert loop._cpu_memory(True, torch.device("cuda")) == "not changed: not a CPU run"
+    monkeypatch.setattr(parts, "keep_freed_memory", lambda: calls.append("kept") or "kept")
+    assert parts.keep_cpu_memory(True, torch.device("cpu")) == "kept"
+    assert parts.keep_cpu_memory(False, torch.device("cpu")) == "not changed: [train] cpu_keep_freed_memory = false"
+    assert parts.keep_cpu_memory(True, torch.device("cuda")) == "not changed: not a CPU run"
     assert calls == ["kept"]

@@ -12,7 +12,7 @@ from forge_lm.data.loader import BatchLoader
 from forge_lm.model import build_model
 from forge_lm.train.builders import build_dataset
 from forge_lm.train.evaluate import Evaluator
-from forge_lm.train.loop import _loss_of, _train_step
+from forge_lm.train.step import compute_gradients, loss_function
 
 Z_WEIGHT = 0.05
 VOCAB = 257
@@ -31,7 +31,7 @@ def test_logged_loss_is_the_cross_entropy_and_the_gradient_includes_the_z_loss(
 ):
     config = tiny_config(f"--loss.name={loss_name}", f"--loss.z_loss_weight={Z_WEIGHT}", "--train.grad_clip=0")
     model, batches = _fresh(config, manager)
-    loss, _, reports = _train_step(one_process_parts(model, config), batches, config)
+    loss, _, reports = compute_gradients(one_process_parts(model, config), batches, config)
     loss, aux = loss.item(), reports.logged()
     grads = {name: param.grad.clone() for name, param in model.named_parameters()}
 
@@ -57,7 +57,7 @@ def test_eval_loss_and_perplexity_are_those_of_the_cross_entropy(tiny_config, ma
     model = build_model(config.model, VOCAB, manager.registry).eval()
     data = build_dataset(config, manager.registry, None, VOCAB, "eval")
     evaluator = Evaluator(data, 4, 2, torch.device("cpu"), None, VOCAB)
-    results = evaluator.run(_loss_of(model, config.loss.build()), lambda value: value)
+    results = evaluator.run(loss_function(model, config.loss.build()), lambda value: value)
 
     with torch.no_grad():
         want = []

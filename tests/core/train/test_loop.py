@@ -162,7 +162,7 @@ class _AuxPlugin:
 
 
 def test_auxiliary_losses_reach_the_gradient_once_and_are_logged(tiny_config, manager, one_process_parts):
-    from forge_lm.train.loop import _train_step
+    from forge_lm.train.step import compute_gradients
 
     manager.add_plugin(_AuxPlugin(), "aux")
     config = tiny_config("--model.ffn.name=aux_ffn", "--train.grad_clip=0")  # unclipped, like the reference
@@ -177,7 +177,7 @@ def test_auxiliary_losses_reach_the_gradient_once_and_are_logged(tiny_config, ma
         return model, batches
 
     model, batches = fresh()
-    loss, _, reports = _train_step(one_process_parts(model, config), batches, config)
+    loss, _, reports = compute_gradients(one_process_parts(model, config), batches, config)
     loss, aux = loss.item(), reports.logged()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -21,7 +21,7 @@ from forge_lm.distributed.tensor_parallel import loss_parallel_for
 from forge_lm.errors import ForgeError
 from forge_lm.losses.vocab_parallel import VocabParallelLoss
 from forge_lm.model import build_model
-from forge_lm.train import loop
+from forge_lm.train import step
 from forge_lm.train.builders import build_dataset
 
 
@@ -98,8 +98,8 @@ def test_the_step_runs_forward_loss_and_backward_inside_the_region(
     parts.loss_fn = VocabParallelLoss(loss_fn)
     model.output.register_forward_hook(lambda *_: inside["forward"].append(state["open"]))
     model.output.register_full_backward_hook(lambda *_: inside["backward"].append(state["open"]))
-    monkeypatch.setattr(loop, "loss_parallel_for", recording_region)
-    loop._train_step(parts, batches, config)
+    monkeypatch.setattr(step, "loss_parallel_for", recording_region)
+    step.compute_gradients(parts, batches, config)
     assert asked == [(2, parts.loss_fn)] * 2  # once per micro-batch
     assert inside == {"forward": [True, True], "loss": [True, True], "backward": [True, True]}
     assert all(param.grad is not None for param in model.parameters())

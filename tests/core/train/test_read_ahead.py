@@ -13,7 +13,7 @@ import torch
 from forge_lm import hookimpl
 from forge_lm.config import load_config
 from forge_lm.metrics.jsonl import read_metrics
-from forge_lm.train import loop, train
+from forge_lm.train import Run, parts, train
 
 
 def losses(run_dir):
@@ -35,7 +35,7 @@ def read_ahead(monkeypatch):
         return self.clone()
 
     def turn_on():
-        monkeypatch.setattr(loop, "batch_transfer", lambda device: {"read_ahead": True, "pin_memory": True})
+        monkeypatch.setattr(parts, "batch_transfer", lambda device: {"read_ahead": True, "pin_memory": True})
         monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
         return pinned
 
@@ -104,11 +104,11 @@ def test_a_rollback_while_reading_ahead_goes_on_past_the_bad_batch_as_without(ti
 def test_the_reader_thread_ends_when_the_run_fails(tiny_config, manager, read_ahead, monkeypatch):
     read_ahead()
 
-    def failing_log(backends, step, metrics):
+    def failing_log(run, step, metrics):
         if step == 2:
             raise RuntimeError("a metrics sink broke")
 
-    monkeypatch.setattr(loop, "_log", failing_log)
+    monkeypatch.setattr(Run, "log", failing_log)
     with pytest.raises(RuntimeError, match="a metrics sink broke"):
         train(tiny_config("--train.max_steps=4", "--eval.interval=0"), manager)
     assert not reader_threads()

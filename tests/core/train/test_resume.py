@@ -16,7 +16,7 @@ from forge_lm.errors import ConfigError
 from forge_lm.metrics.jsonl import read_metrics
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.testing import TINY_MODEL
-from forge_lm.train import loop, train
+from forge_lm.train import Run, train
 
 
 class _ExtraOptimizer:
@@ -51,7 +51,7 @@ def test_a_resume_that_fails_before_its_first_step_leaves_no_record_of_its_setti
         raise RuntimeError("the first step crashed")
 
     with monkeypatch.context() as patch:
-        patch.setattr(loop, "_train_step", crash)
+        patch.setattr(Run, "step", crash)
         with pytest.raises(RuntimeError, match="the first step crashed"):
             train(longer, manager)
     assert not list(run_dir.glob("config.resume-*.toml"))

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from forge_lm.train.loop import _handle_bad_step
+from forge_lm.train.loop import _handle_bad_step  # the loop's policy for a non-finite step
 
 ROUTER = {"router": {"name": "sigmoid_topk", "bias_update_rate": 0.5}}
 
@@ -32,7 +32,8 @@ def _run(make_moe_model, moe_manager, bad_batch, skip_hook=True):
     if bad_batch is not None:
         model(bad_batch)  # its loss came out NaN: the loop skips the step
         if skip_hook:
-            _handle_bad_step(context, None, None, moe_manager, float("nan"), float("nan"), 1)
+            run = SimpleNamespace(context=context, manager=moe_manager)  # what the policy reads of the Run
+            _handle_bad_step(run, float("nan"), float("nan"), 1)
     model(good[1])
     moe_manager.call("forge_lm_step_end", context=context, step=2, metrics={})
     return _biases(model)

@@ -23,7 +23,8 @@ from forge_lm.checkpoint import CheckpointManager
 from forge_lm.config import load_config
 from forge_lm.distributed.launch import exit_process
 from forge_lm.plugins import PluginManager, PluginSettings
-from forge_lm.train.loop import _build, _train_step
+from forge_lm.train.parts import build_parts
+from forge_lm.train.step import compute_gradients
 
 
 def full(tensor):
@@ -43,12 +44,12 @@ def main() -> int:
     out, overrides = Path(sys.argv[1]), sys.argv[2:]
     manager = PluginManager(PluginSettings(autoload=False))
     config = load_config(None, [*overrides, f"--train.output_dir={out / 'run'}"], manager.registry)
-    parts = _build(config, manager)  # joins the process group
+    parts = build_parts(config, manager)  # joins the process group
     rank = dist.get_rank()
     batches = iter(parts.train_batches)
 
     def train_step() -> None:
-        _train_step(parts, batches, config)
+        compute_gradients(parts, batches, config)
         parts.optimizer.step()
 
     received: list = []  # per save: the skeletons this rank got from the gather, or None

@@ -22,7 +22,8 @@ from forge_lm.distributed.reduce import agree_on_step
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.testing import TINY_MODEL
-from forge_lm.train.loop import _build, _train_step
+from forge_lm.train.parts import build_parts
+from forge_lm.train.step import compute_gradients
 
 BATCH, SEQ, VOCAB, ACCUM = 2, 16, 257, 2
 
@@ -48,7 +49,7 @@ def main() -> int:
         '--metrics.backends=["jsonl"]',
     ]
     config = load_config(None, [*base, *overrides], manager.registry)
-    parts = _build(config, manager)  # joins the process group
+    parts = build_parts(config, manager)  # joins the process group
     rank = dist.get_rank()
     cp = parts.context_parallel
     dp = parts.mesh["dp"]
@@ -72,7 +73,7 @@ def main() -> int:
     # read the same rows, whole, and the step takes each one's slice of them.
     mine = [{key: value[dp_rank::dp_size] for key, value in batch.items()} for batch in micro]
 
-    loss, grad_norm, _ = _train_step(parts, iter(mine), config)
+    loss, grad_norm, _ = compute_gradients(parts, iter(mine), config)
     step_loss, finite, _ = agree_on_step(loss, grad_norm, False, parts.dims)  # the loop's own mean
     loss, grad_norm = step_loss.item(), grad_norm.item()
 

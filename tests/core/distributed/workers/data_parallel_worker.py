@@ -21,7 +21,8 @@ from forge_lm.distributed.reduce import mean_over_data_parallel
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.testing import TINY_MODEL
-from forge_lm.train.loop import _build, _gradient_sync, _train_step
+from forge_lm.train.parts import build_parts
+from forge_lm.train.step import compute_gradients, gradient_sync
 
 BATCH, SEQ, VOCAB, ACCUM = 4, 16, 257, 2
 
@@ -45,7 +46,7 @@ def main() -> int:
         '--metrics.backends=["jsonl"]',
     ]
     config = load_config(None, [*base, *overrides], manager.registry)
-    parts = _build(config, manager)  # joins the process group
+    parts = build_parts(config, manager)  # joins the process group
     rank, dp_rank, dp_size = dist.get_rank(), *_dp(parts)
 
     reference = build_model(config.model, VOCAB, manager.registry)
@@ -62,7 +63,7 @@ def main() -> int:
         logits = parts.model(mine[0]["input_ids"])
         torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), mine[0]["labels"].flatten()).backward()
 
-    with _gradient_sync(parts.model, enabled=False):
+    with gradient_sync(parts.model, enabled=False):
         backward()
     unsynced = all(p.grad is None for p in parts.model.parameters())
     backward()  # a synced backward reduces (and so releases) what was accumulated; zero_grad follows
@@ -84,7 +85,7 @@ def main() -> int:
                 between.add(grads_state())
             yield batch
 
-    loss, grad_norm, _ = _train_step(parts, watching(mine), config)  # starts with zero_grad
+    loss, grad_norm, _ = compute_gradients(parts, watching(mine), config)  # starts with zero_grad
     loss = mean_over_data_parallel(loss, parts.mesh, parts.dims).item()  # the step returns this rank's loss
     grad_norm = grad_norm.item()
 

@@ -1,4 +1,4 @@
-"""Run under torchrun: the training loop's own build (``_build``: meta device, transforms, then
+"""Run under torchrun: the training loop's own build (``build_parts``: meta device, transforms, then
 each rank materializing its shards) on 2 ranks, against the one-process model of the same seed.
 
 Usage:
@@ -8,7 +8,7 @@ Usage:
         (random values drawn in chunks of 500, so that chunk borders fall inside shards).
         Rank 0 writes {case: {"mismatched": [...], "compared": n, "local_fraction": f, ...}}.
     meta_init_worker.py memory OUT_JSON [--section.key=value ...]
-        One ``_build`` of a ~170 MB model (one process under ``torchrun --nproc_per_node=1``, or
+        One ``build_parts`` of a ~170 MB model (one process under ``torchrun --nproc_per_node=1``, or
         FSDP2 over the ranks); every rank reports how much its peak resident memory grew during
         the build (``ru_maxrss`` after minus before) and its parameters' local bytes.
 """
@@ -36,7 +36,7 @@ from forge_lm.config import load_config
 from forge_lm.distributed.launch import exit_process
 from forge_lm.model import build_model, init
 from forge_lm.plugins import PluginManager, PluginSettings
-from forge_lm.train.loop import _build
+from forge_lm.train.parts import build_parts
 
 VOCAB = 257
 COMMON = [
@@ -90,7 +90,7 @@ def compare(case: str) -> dict:
     manager = PluginManager(PluginSettings(autoload=case == "ep", allow=("moe",)))
     config = load_config(None, [*COMMON, *TINY, *CASES[case]], manager.registry)
     manager.configure(config)
-    parts = _build(config, manager)  # joins the process group on the first call
+    parts = build_parts(config, manager)  # joins the process group on the first call
     model = parts.model
     # The one-process model of the seed: what `forge train` builds without torchrun.
     reference = build_model(config.model, VOCAB, manager.registry, seed=config.train.seed)
@@ -140,12 +140,12 @@ def memory(out: str, overrides: list[str]) -> None:
     imports, allocator pools) is not counted as the model's."""
     manager = PluginManager(PluginSettings(autoload=False))
     warm_up = load_config(None, [*COMMON, *overrides, "--model.dim=64", "--model.n_layers=1"], manager.registry)
-    parts = _build(warm_up, manager)
+    parts = build_parts(warm_up, manager)
     del parts
     gc.collect()
     config = load_config(None, [*COMMON, *overrides], manager.registry)
     before = _resident_bytes()
-    parts = _build(config, manager)
+    parts = build_parts(config, manager)
     grown = _peak_bytes() - before
     report = {"peak_growth": grown, "local_bytes": _local_bytes(parts.model)}
     if dist.is_initialized():

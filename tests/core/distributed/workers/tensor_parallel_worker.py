@@ -164,7 +164,7 @@ def main() -> int:
         ids, labels, document_ids = batch(step, args.vocab, seq, documents)
         local_docs = document_ids[rows] if document_ids is not None else None
         seen: list[dict] = []
-        if in_loop:  # the training loop's way (forge_lm.train.loop._train_step)
+        if in_loop:  # the training loop's way (forge_lm.train.step.compute_gradients)
             loss_fn = recording(train_loss, seen)
             with loss_parallel_for(dims.tp, loss_fn):
                 logits = forward(ids[rows], local_docs)

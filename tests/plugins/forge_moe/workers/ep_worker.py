@@ -45,7 +45,8 @@ from forge_lm.distributed.reduce import mean_over_data_parallel
 from forge_lm.losses.aux import collect_aux
 from forge_lm.model import build_model
 from forge_lm.plugins import PluginManager, PluginSettings
-from forge_lm.train.loop import _build, _train_step
+from forge_lm.train.parts import build_parts
+from forge_lm.train.step import compute_gradients
 from forge_moe.layer import MoELayer, after_optimizer_step
 
 VOCAB, BATCH, SEQ, N_EXPERTS, TOP_K = 257, 4, 16, 4, 2  # 257: the default tokenizer's (the loop case)
@@ -177,7 +178,7 @@ def run_case(name: str, manager: PluginManager, mesh, rank: int, checkpoint_dir:
 
 
 def run_loop_case(manager: PluginManager, extra: list[str]) -> dict:
-    """The training loop's own step (``_build`` + ``_train_step``: interleaved rows, gradient
+    """The training loop's own step (``build_parts`` + ``compute_gradients``: interleaved rows, gradient
     accumulation with the sync skipped on the first micro-batch, the router's z-loss added to the
     loss, the global gradient norm) against one process's step on the same global batch; then
     forge's clipping of those gradients against ``clip_grad_norm_`` of the reference's."""
@@ -197,7 +198,7 @@ def run_loop_case(manager: PluginManager, extra: list[str]) -> dict:
         *extra,
     ]
     config = load_config(None, overrides, manager.registry)
-    parts = _build(config, manager)
+    parts = build_parts(config, manager)
     dp = parts.mesh["dp"]
     dp_rank, dp_size = dp.get_local_rank(), dp.size()
     reference = build_model(config.model, VOCAB, manager.registry).train()
@@ -207,7 +208,7 @@ def run_loop_case(manager: PluginManager, extra: list[str]) -> dict:
     micro = [torch.randint(0, VOCAB, (per_rank * dp_size, SEQ + 1), generator=generator) for _ in range(accum)]
     # The data sampler interleaves: data-parallel rank r reads rows r, r + dp_size, ...
     mine = [{"input_ids": m[dp_rank::dp_size, :-1], "labels": m[dp_rank::dp_size, 1:]} for m in micro]
-    loss, grad_norm, reports = _train_step(parts, iter(mine), config)
+    loss, grad_norm, reports = compute_gradients(parts, iter(mine), config)
     loss = mean_over_data_parallel(loss, parts.mesh, parts.dims).item()  # the step returns this rank's loss
     grad_norm, logged = grad_norm.item(), reports.logged()
 

@@ -1,4 +1,4 @@
-"""Run under torchrun: the training loop's own build of configs/vlm_debug.toml (``_build``: the
+"""Run under torchrun: the training loop's own build of configs/vlm_debug.toml (``build_parts``: the
 llava on the meta device, FSDP2 over the ranks, then each rank materializing its shards)
 against the one-process model of the same seed, built directly.
 
@@ -21,7 +21,7 @@ from forge_lm.config import load_config, model_options
 from forge_lm.distributed.launch import exit_process
 from forge_lm.model import build_model, init
 from forge_lm.plugins import PluginManager, PluginSettings
-from forge_lm.train.loop import _build
+from forge_lm.train.parts import build_parts
 
 DEBUG = Path(__file__).resolve().parents[4] / "configs" / "vlm_debug.toml"
 QUIET = ["--eval.interval=0", '--metrics.backends=["jsonl"]', "--metrics.peak_flops=1e12"]
@@ -33,7 +33,7 @@ def compare(overrides: list[str]) -> dict:
     manager = PluginManager(PluginSettings(allow=("vlm",)))
     config = load_config(DEBUG, [*QUIET, *overrides], manager.registry)
     manager.configure(config)
-    model = _build(config, manager).model  # joins the process group
+    model = build_parts(config, manager).model  # joins the process group
     reference = build_model(config.model, model_options(config).vocab_size, manager.registry, seed=config.train.seed)
     expected = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
     mismatched, compared, sharded, local = [], 0, 0, 0
