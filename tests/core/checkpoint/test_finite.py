@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import forge_lm.checkpoint._io as checkpoint_io
+import forge_lm.checkpoint._write as checkpoint_io
 from forge_lm.checkpoint import CheckpointManager, NonFiniteWeights
 from forge_lm.checkpoint._finite import count_nonfinite, first_nonfinite
 from forge_lm.testing.distributed import torchrun

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forge_lm.checkpoint._io import restore_rng, rng_state
+from forge_lm.checkpoint._rng import restore_rng, rng_state
 from forge_lm.checkpoint._state import check_trainer_state
 
 

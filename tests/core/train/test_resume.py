@@ -87,7 +87,7 @@ def _failing_saves(monkeypatch, failing_steps):
     the given steps, after writing part of the checkpoint."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    import forge_lm.checkpoint._io as io
+    import forge_lm.checkpoint._local_store as io
 
     real_save = io.dcp.save
 

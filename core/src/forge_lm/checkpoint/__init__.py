@@ -12,20 +12,16 @@ Nothing is unpickled: loading reads tensors (through ``torch.load(weights_only=T
 JSON, reads DCP's pickled metadata with an unpickler that can reach no callable
 (:mod:`._safe`), checks every field of both, and refuses a checkpoint whose metadata names
 code to run.
+
+The parts: the names (:mod:`._layout`), finding checkpoints (:mod:`._find`), checking them
+(:mod:`._validate`, :mod:`._state`, :mod:`._safe`, :mod:`._finite`), writing (:mod:`._write`),
+loading (:mod:`._load`), where they are kept (:mod:`._store`), and the manager that joins them
+(:mod:`._manager`).
 """
 
-from forge_lm.checkpoint._io import (
-    CHECKPOINTS,
-    RUN_ID_FILE,
-    SAVE_IN_PROGRESS,
-    CheckpointManager,
-    CheckpointPlaceError,
-    CheckpointSaveError,
-    NonFiniteWeights,
-    latest_checkpoint,
-    read_run_id,
-    step_of,
-)
+from forge_lm.checkpoint._errors import CheckpointPlaceError, CheckpointSaveError, NonFiniteWeights
+from forge_lm.checkpoint._layout import CHECKPOINTS, RUN_ID_FILE, SAVE_IN_PROGRESS, read_run_id, step_of
+from forge_lm.checkpoint._manager import CheckpointManager, latest_checkpoint
 from forge_lm.checkpoint._safe import DamagedCheckpointError, UnsafeCheckpointError
 
 __all__ = [

@@ -26,11 +26,12 @@ Two kinds of failure:
 
 from __future__ import annotations
 
+import io
 import math
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -121,9 +122,9 @@ class _InertUnpickler(pickle.Unpickler):
 class _Builder:
     """Builds DCP metadata from what the inert unpickler recorded, checking each field."""
 
-    def __init__(self, labels: dict[type, tuple[str, str]], directory: Path) -> None:
+    def __init__(self, labels: dict[type, tuple[str, str]], files: StepFiles) -> None:
         self.labels = labels
-        self.directory = directory
+        self.files = files
         self._file_sizes: dict[str, int] = {}
 
     def label(self, value: Any) -> tuple[str, str] | None:
@@ -278,10 +279,9 @@ class _Builder:
 
     def file_size(self, name: str) -> int:
         if name not in self._file_sizes:
-            path = self.directory / name
-            if path.is_symlink() or not path.is_file():
+            if self.files.kind(name) != "file":
                 raise DamagedCheckpointError(f"its data file {name} is missing or not a plain file")
-            self._file_sizes[name] = path.stat().st_size
+            self._file_sizes[name] = self.files.size(name)
         return self._file_sizes[name]
 
     def planner_data(self, value: Any, tensors: dict[str, Any]) -> dict[str, tuple] | None:
@@ -359,36 +359,68 @@ def _itemsize(dtype: torch.dtype) -> float:
     return dtype.itemsize if dtype.itemsize else 0.125  # sub-byte dtypes: at least a bit each
 
 
-def read_metadata(directory: Path) -> Metadata:
-    """DCP metadata of the checkpoint in ``directory``, read without running any code from it."""
-    path = directory / METADATA_FILE
-    if path.is_symlink() or not path.is_file():
+class StepFiles(Protocol):
+    """The files of one checkpoint, wherever they are kept (a local directory, an object-store
+    prefix: :mod:`forge_lm.checkpoint._store`). Names are plain names inside the checkpoint."""
+
+    def kind(self, name: str) -> str | None:
+        """``"file"`` for a plain file; ``"link"``, ``"dir"`` or ``"other"``; None when missing."""
+
+    def size(self, name: str) -> int: ...
+
+    def read(self, name: str, limit: int) -> bytes:
+        """The file's bytes; raises :class:`DamagedCheckpointError` past ``limit`` bytes."""
+
+
+def read_metadata(directory: Path | StepFiles) -> Metadata:
+    """DCP metadata of the checkpoint in ``directory`` (a local directory or the files of one
+    kept elsewhere), read without running any code from it."""
+    if isinstance(directory, str | Path):
+        from forge_lm.checkpoint._local_store import LocalFiles  # here: the local store reads through this module
+
+        directory = LocalFiles(Path(directory))
+    kind = directory.kind(METADATA_FILE)
+    if kind != "file":
         raise DamagedCheckpointError(f"{METADATA_FILE} is missing or not a plain file")
-    if path.stat().st_size > MAX_METADATA_BYTES:
+    if directory.size(METADATA_FILE) > MAX_METADATA_BYTES:
         raise DamagedCheckpointError(f"{METADATA_FILE} is larger than {MAX_METADATA_BYTES // 2**20} MiB")
-    with path.open("rb") as stream:
-        unpickler = _InertUnpickler(stream)
-        try:
-            root = unpickler.load()
-        except UnsafeCheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in many ways; none is a bug here
-            raise DamagedCheckpointError(f"{METADATA_FILE} is not readable: {type(exc).__name__}: {exc}") from None
+    unpickler = _InertUnpickler(io.BytesIO(directory.read(METADATA_FILE, MAX_METADATA_BYTES)))
+    try:
+        root = unpickler.load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in many ways; none is a bug here
+        raise DamagedCheckpointError(f"{METADATA_FILE} is not readable: {type(exc).__name__}: {exc}") from None
     try:
         return _Builder(unpickler.labels, directory).metadata(root)
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
         raise DamagedCheckpointError(f"{METADATA_FILE} is malformed: {type(exc).__name__}: {exc}") from None
 
 
-class SafeReader(FileSystemReader):
-    """A DCP filesystem reader whose metadata comes from :func:`read_metadata`."""
+class _SafeMetadata:
+    """Makes a DCP reader take its metadata from :func:`read_metadata` over ``files``."""
+
+    files: StepFiles
+    load_id: str
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             raise DamagedCheckpointError("per-rank metadata files are not used by Forge checkpoints")
-        metadata = read_metadata(Path(self.path))
+        metadata = read_metadata(self.files)
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeReader(_SafeMetadata, FileSystemReader):
+    """A DCP filesystem reader whose metadata comes from :func:`read_metadata`."""
+
+    def __init__(self, path: str, files: StepFiles | None = None) -> None:
+        super().__init__(path)
+        if files is None:
+            from forge_lm.checkpoint._local_store import LocalFiles
+
+            files = LocalFiles(Path(path))
+        self.files = files
 
 
 class TensorsOnlyPlanner(DefaultLoadPlanner):

@@ -12,29 +12,28 @@ from __future__ import annotations
 import json
 import math
 import random
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from forge_lm.checkpoint._safe import DamagedCheckpointError
+from forge_lm.checkpoint._safe import DamagedCheckpointError, StepFiles
 
 TRAINER_STATE = "trainer_state.json"
 MAX_STATE_BYTES = 256 * 1024 * 1024
 _MT_WORDS = len(random.getstate()[1])  # Mersenne Twister state: 624 words and a position
 
 
-def read_trainer_state(directory: Path, step: int) -> dict[str, Any]:
-    """The checked trainer state of the checkpoint ``directory`` named for ``step``."""
-    path = directory / TRAINER_STATE
-    if path.is_symlink():
+def read_trainer_state(files: StepFiles, step: int) -> dict[str, Any]:
+    """The checked trainer state of the checkpoint whose files are ``files``, named for ``step``."""
+    kind = files.kind(TRAINER_STATE)
+    if kind == "link":
         raise DamagedCheckpointError(f"{TRAINER_STATE} is a link; checkpoints hold plain files only")
-    if not path.is_file():
+    if kind != "file":
         raise DamagedCheckpointError(f"incomplete: {TRAINER_STATE} is missing (the save was interrupted)")
-    if path.stat().st_size > MAX_STATE_BYTES:
+    if files.size(TRAINER_STATE) > MAX_STATE_BYTES:
         raise DamagedCheckpointError(f"{TRAINER_STATE} is larger than {MAX_STATE_BYTES // 2**20} MiB")
     try:
-        state = json.loads(path.read_bytes().decode("utf-8"))
+        state = json.loads(files.read(TRAINER_STATE, MAX_STATE_BYTES).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise DamagedCheckpointError(f"{TRAINER_STATE} is not valid JSON: {exc}") from None
     check_trainer_state(state, step)

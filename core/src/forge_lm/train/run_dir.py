@@ -53,7 +53,7 @@ import uuid
 from pathlib import Path, PurePath
 from typing import Any
 
-from forge_lm.checkpoint._io import CHECKPOINTS, LATEST, RUN_ID_FILE, read_run_id, step_of
+from forge_lm.checkpoint._layout import CHECKPOINTS, LATEST, RUN_ID_FILE, read_run_id, step_of
 from forge_lm.config import ForgeConfig, read_toml, structure_config, to_data, to_toml
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.events import EVENTS_FILE

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
-import forge_lm.checkpoint._io as checkpoint_io
+import forge_lm.checkpoint._write as checkpoint_io
 from forge_lm.checkpoint import CheckpointManager
 from forge_lm.config import load_config
 from forge_lm.distributed.launch import exit_process

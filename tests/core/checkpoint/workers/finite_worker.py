@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-import forge_lm.checkpoint._io as checkpoint_io
+import forge_lm.checkpoint._write as checkpoint_io
 from forge_lm.checkpoint import CheckpointManager, NonFiniteWeights
 
 
