@@ -170,7 +170,7 @@ def gradient_sync(model: torch.nn.Module, enabled: bool) -> contextlib.AbstractC
     FSDP2 over a 1-rank shard group); one process has nothing to reduce."""
     if enabled or not isinstance(model, FSDPModule):
         return contextlib.nullcontext()
-    model.set_requiresgradient_sync(False)
+    model.set_requires_gradient_sync(False)
     return _restore_sync(model)
 
 
@@ -179,7 +179,7 @@ def _restore_sync(model: torch.nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        model.set_requiresgradient_sync(True)
+        model.set_requires_gradient_sync(True)
 
 
 @contextlib.contextmanager
