@@ -62,6 +62,12 @@ REFUSED_TP = (
     "parallelism yet (its float8 layers replace the Linear layers, dropping the input and output layouts tensor "
     "parallelism gave them). Set tp = 1 (FSDP2 and pipeline parallelism work with float8), or enabled = false."
 )
+REFUSED_FP16 = (
+    "[transforms.float8] enabled = true with [train] precision = 'fp16': forge-float8 does not support fp16. "
+    "torchao's float8 training takes bf16 or fp32 as its high precision, and the float8 casts have not been run "
+    "under fp16 autocast with Forge's loss scaling. Set precision = 'bf16' (float8 needs an Ada or Hopper GPU, "
+    "which has bf16), or enabled = false."
+)
 
 # The README's tolerance: every step's loss within this fraction of the fp32 run's.
 TOLERANCE = 0.005

@@ -12,7 +12,7 @@ from forge_lm.config import load_config
 from forge_lm.errors import ConfigError
 from forge_lm.plugins import PluginManager, PluginSettings
 
-from .conftest import DEBUG_CONFIG, REFUSED_ROWWISE_ALL_GATHER, REFUSED_TP
+from .conftest import DEBUG_CONFIG, REFUSED_FP16, REFUSED_ROWWISE_ALL_GATHER, REFUSED_TP
 
 
 def configured(manager, *overrides):
@@ -54,6 +54,7 @@ def test_the_table_may_name_the_distribution_too(float8_manager, tmp_path):
             id="rowwise-all-gather-while-disabled",
         ),
         pytest.param(["--distributed.tp=2"], REFUSED_TP, id="tensor-parallel"),
+        pytest.param(["--train.precision=fp16"], REFUSED_FP16, id="fp16"),
     ],
 )
 def test_combinations_torchao_or_the_plugin_cannot_do_are_refused_naming_the_fix(float8_manager, overrides, message):

@@ -16,7 +16,16 @@ from forge_lm.distributed import ParallelDims, TransformContext, apply_model_tra
 from forge_lm.model import build_model
 from forge_lm.testing.markdown import code_block, code_blocks
 
-from .conftest import DEBUG_CONFIG, ODD, README, REFUSED_ROWWISE_ALL_GATHER, REFUSED_TP, REPO, TOLERANCE
+from .conftest import (
+    DEBUG_CONFIG,
+    ODD,
+    README,
+    REFUSED_FP16,
+    REFUSED_ROWWISE_ALL_GATHER,
+    REFUSED_TP,
+    REPO,
+    TOLERANCE,
+)
 
 TEXT = README.read_text(encoding="utf-8")
 
@@ -56,7 +65,7 @@ def test_the_printed_lines_are_the_ones_the_transform_prints(float8_manager, cap
     assert capsys.readouterr().err == block("", f"forge-float8: {shown} Linear layers")
 
 
-@pytest.mark.parametrize("message", [REFUSED_ROWWISE_ALL_GATHER, REFUSED_TP])
+@pytest.mark.parametrize("message", [REFUSED_ROWWISE_ALL_GATHER, REFUSED_TP, REFUSED_FP16])
 def test_the_refusals_shown_are_the_ones_the_plugin_raises(message):
     assert block("", message[:60]) == f"forge: error: {message}\n"
 
