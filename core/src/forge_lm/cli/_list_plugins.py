@@ -11,11 +11,14 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import shutil
+import textwrap
+from typing import Any
 
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import canonicalize_name
+from forge_lm.plugins import CATEGORIES, CORE_DISTRIBUTION, PluginManager, core_version
 
-from forge_lm.plugins import CATEGORIES, CORE_DISTRIBUTION, PluginManager, PluginStatus, core_version
+# Listing plugins is the command people run to see what is installed: it imports no torch, no
+# rich and no packaging.requirements (only --requirements needs those), so it starts in a
+# tenth of the time of import torch (tests/core/cli/test_list_plugins_imports.py).
 
 HELP = "show installed plugins and their components"
 TAKES_OVERRIDES = False
@@ -49,6 +52,8 @@ def requirement_lines(manager: PluginManager) -> list[str]:
     incompatible plugin is still installed). An extra is kept when everything it requires is
     installed, so ``forge-lm[hf]`` comes back with the Hugging Face components.
     """
+    from packaging.utils import canonicalize_name
+
     lines = [_pinned(CORE_DISTRIBUTION, core_version())]
     seen = {canonicalize_name(CORE_DISTRIBUTION)}
     third_party = sorted((p for p in manager.plugins if not p.builtin), key=lambda p: canonicalize_name(p.distribution))
@@ -71,6 +76,8 @@ def _pinned(distribution: str, version: str) -> str:
 
 def _installed_extras(distribution: str) -> list[str]:
     """The extras of ``distribution`` whose every requirement is installed in a matching version."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
     try:
         metadata = importlib.metadata.metadata(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -90,7 +97,7 @@ def _installed_extras(distribution: str) -> list[str]:
     return extras
 
 
-def _satisfied(requirement: Requirement) -> bool:
+def _satisfied(requirement: Any) -> bool:
     try:
         version = importlib.metadata.version(requirement.name)
     except importlib.metadata.PackageNotFoundError:
@@ -98,45 +105,60 @@ def _satisfied(requirement: Requirement) -> bool:
     return requirement.specifier.contains(version, prereleases=True)
 
 
-_STYLE = {
-    PluginStatus.OK: "green",
-    PluginStatus.BROKEN: "red",
-    PluginStatus.INCOMPATIBLE: "yellow",
-    PluginStatus.DISABLED: "dim",
-}
-
-
 def list_plugins(manager: PluginManager, *, as_json: bool) -> int:
     if as_json:
         print(json.dumps({"plugins": [p.as_dict() for p in manager.plugins], "warnings": manager.warnings}, indent=2))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(title="Forge plugins", title_justify="left", show_lines=True)
-    for column in ("Plugin", "Distribution", "Version", "Status", "Components"):
-        table.add_column(column, overflow="fold")
+    rows = []
     for plugin in manager.plugins:
-        status = Text(str(plugin.status), style=_STYLE[plugin.status])
-        if plugin.reason:
-            status.append(f": {plugin.reason}")
-        listed = "\n".join(
-            [
-                *(
-                    f"{category}: {', '.join(sorted(plugin.components[category]))}"
-                    for category in CATEGORIES
-                    if plugin.components.get(category)
-                ),
-                *(
-                    [f"commands: {', '.join(f'forge {name}' for name in sorted(plugin.commands))}"]
-                    if plugin.commands
-                    else []
-                ),
-            ]
-        )
-        table.add_row(plugin.name, plugin.distribution, plugin.version, status, listed or "-")
+        listed = [
+            f"{category}: {', '.join(sorted(plugin.components[category]))}"
+            for category in CATEGORIES
+            if plugin.components.get(category)
+        ]
+        if plugin.commands:
+            listed.append(f"commands: {', '.join(f'forge {name}' for name in sorted(plugin.commands))}")
+        status = f"{plugin.status}: {plugin.reason}" if plugin.reason else str(plugin.status)
+        rows.append([plugin.name, plugin.distribution, plugin.version, status, "\n".join(listed) or "-"])
     # A pipe or CI log gets a table wide enough not to fold every cell.
     width = max(120, shutil.get_terminal_size((120, 24)).columns)
-    Console(width=width, soft_wrap=False).print(table)
+    print("Forge plugins")
+    print(boxed_table(["Plugin", "Distribution", "Version", "Status", "Components"], rows, width))
     return 0
+
+
+def boxed_table(header: list[str], rows: list[list[str]], width: int) -> str:
+    """``rows`` under ``header`` in box-drawing lines, a rule between rows, at most ``width``
+    characters wide: the widest columns are narrowed first and their cells folded."""
+    columns = list(zip(header, *rows, strict=True))
+    widths = [max(len(line) for cell in column for line in cell.splitlines() or [""]) for column in columns]
+    while sum(widths) + 3 * len(widths) + 1 > width and max(widths) > 8:
+        widths[widths.index(max(widths))] -= 1
+
+    def rule(left: str, middle: str, right: str) -> str:
+        return left + middle.join("─" * (w + 2) for w in widths) + right
+
+    def lines_of(row: list[str], bar: str = "│") -> list[str]:
+        cells = [
+            [
+                part
+                for line in cell.splitlines() or [""]
+                for part in textwrap.wrap(line, w, break_on_hyphens=False) or [""]
+            ]
+            for cell, w in zip(row, widths, strict=True)
+        ]
+        height = max(len(cell) for cell in cells)
+        return [
+            bar
+            + bar.join(f" {(cell[i] if i < len(cell) else ''):<{w}} " for cell, w in zip(cells, widths, strict=True))
+            + bar
+            for i in range(height)
+        ]
+
+    out = [rule("┏", "┳", "┓").replace("─", "━"), *lines_of(header, "┃"), rule("┡", "╇", "┩").replace("─", "━")]
+    for index, row in enumerate(rows):
+        if index:
+            out.append(rule("├", "┼", "┤"))
+        out.extend(lines_of(row))
+    out.append(rule("└", "┴", "┘"))
+    return "\n".join(out)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from packaging.utils import canonicalize_name
-
 from forge_lm.errors import PluginError, did_you_mean, quoted_list
 from forge_lm.plugins._categories import CATEGORIES, check_category, plural, singular
 from forge_lm.plugins._hints import known_provider
@@ -69,6 +67,8 @@ class Registry:
         if not candidates:
             raise PluginError(self._unknown_message(category, bare))
         if dist:
+            from packaging.utils import canonicalize_name  # here: packaging.utils imports packaging.tags, slow
+
             chosen = [c for c in candidates if canonicalize_name(c.plugin.distribution) == canonicalize_name(dist)]
             if not chosen:
                 raise PluginError(
@@ -100,6 +100,8 @@ class Registry:
         noun = singular(category)
         names = self.names(category)
         package = known_provider(category, name)
+        from packaging.utils import canonicalize_name  # here: packaging.utils imports packaging.tags, slow
+
         installed = [
             p for p in self._plugins if package and canonicalize_name(p.distribution) == canonicalize_name(package)
         ]
