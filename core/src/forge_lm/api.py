@@ -86,14 +86,14 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "freeze_until": ("forge_lm.model.freezing", "freeze_until"),
     # Hugging Face conversion: reading configs, the shared renaming, Llama as a building block.
     "HFConfigReader": ("forge_lm.model.hf_fields", "HFConfigReader"),
-    "rename_to_hf": ("forge_lm.model.hf", "rename_to_hf"),
-    "rename_from_hf": ("forge_lm.model.hf", "rename_from_hf"),
-    "decoder_config_fields": ("forge_lm.model.hf", "decoder_config_fields"),
-    "swiglu_options_for": ("forge_lm.model.hf", "swiglu_options_for"),
-    "QWEN3_ATTENTION_FIELDS": ("forge_lm.model.hf", "QWEN3_ATTENTION_FIELDS"),
-    "qwen3_attention_problems": ("forge_lm.model.hf", "qwen3_attention_problems"),
-    "llama_export": ("forge_lm.model.hf", "llama_export"),
-    "llama_import": ("forge_lm.model.hf", "llama_import"),
+    "rename_to_hf": ("forge_lm.model.hf.names", "rename_to_hf"),
+    "rename_from_hf": ("forge_lm.model.hf.names", "rename_from_hf"),
+    "decoder_config_fields": ("forge_lm.model.hf.llama", "decoder_config_fields"),
+    "swiglu_options_for": ("forge_lm.model.hf.llama", "swiglu_options_for"),
+    "QWEN3_ATTENTION_FIELDS": ("forge_lm.model.hf.llama", "QWEN3_ATTENTION_FIELDS"),
+    "qwen3_attention_problems": ("forge_lm.model.hf.llama", "qwen3_attention_problems"),
+    "llama_export": ("forge_lm.model.hf.llama", "llama_export"),
+    "llama_import": ("forge_lm.model.hf.llama", "llama_import"),
     # Data, hardware, plots.
     "check_tokenizer": ("forge_lm.data.packing", "check_tokenizer"),
     "cpu_multiplies_bf16": ("forge_lm.hardware", "cpu_multiplies_bf16"),
@@ -146,16 +146,15 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time __getattr__
     from forge_lm.model.flops import active_parameter_count  # noqa: F401
     from forge_lm.model.freezing import freeze_until  # noqa: F401
     from forge_lm.model.generate import sampling_probs  # noqa: F401
-    from forge_lm.model.hf import (  # noqa: F401
+    from forge_lm.model.hf.llama import (  # noqa: F401
         QWEN3_ATTENTION_FIELDS,
         decoder_config_fields,
         llama_export,
         llama_import,
         qwen3_attention_problems,
-        rename_from_hf,
-        rename_to_hf,
         swiglu_options_for,
     )
+    from forge_lm.model.hf.names import rename_from_hf, rename_to_hf  # noqa: F401
     from forge_lm.model.hf_fields import HFConfigReader  # noqa: F401
     from forge_lm.model.kv_cache import KVCache  # noqa: F401
     from forge_lm.model.linear import Linear, linear, matmul_nt  # noqa: F401

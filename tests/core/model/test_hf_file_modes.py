@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge_lm.model import hf
 from forge_lm.model.hf import CONFIG_FILE, WEIGHTS_FILE, write_hf
+from forge_lm.model.hf import files as hf
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX file modes")
 

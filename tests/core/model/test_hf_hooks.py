@@ -15,8 +15,8 @@ from forge_lm.cli._main import main
 from forge_lm.config import load_config
 from forge_lm.errors import ForgeError
 from forge_lm.hookspecs import hookimpl
-from forge_lm.model import hf
 from forge_lm.model.hf import export_hf, export_with_plugins, import_with_plugins, rename_from_hf, rename_to_hf
+from forge_lm.model.hf import llama as hf
 from forge_lm.plugins import PluginHookFailed, PluginManager, PluginSettings
 from forge_lm.testing import TINY_MODEL
 from forge_lm.train import train

@@ -46,7 +46,7 @@ class HFConfigReader:
         if value is None:
             return self._absent(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SIZE:
-            raise self.refuse(key, f"{key} is {_shown(value)}, not a positive integer")
+            raise self.refuse(key, f"{key} is {shown(value)}, not a positive integer")
         return value
 
     def positive_number(self, key: str, default: Any = _REQUIRED, *, value: Any = _REQUIRED) -> float:
@@ -64,7 +64,7 @@ class HFConfigReader:
         bound = 0 if zero_allowed else math.nextafter(0.0, 1.0)
         if not isinstance(value, int | float) or isinstance(value, bool) or not _finite_at_least(value, bound):
             kind = "a finite number >= 0" if zero_allowed else "a finite number > 0"
-            raise self.refuse(key, f"{key} is {_shown(value)}, not {kind}")
+            raise self.refuse(key, f"{key} is {shown(value)}, not {kind}")
         return float(value)
 
     def flag(self, key: str, default: bool) -> bool:
@@ -72,7 +72,7 @@ class HFConfigReader:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise self.refuse(key, f"{key} is {_shown(value)}, not true or false")
+            raise self.refuse(key, f"{key} is {shown(value)}, not true or false")
         return value
 
     def table(self, key: str) -> dict[str, Any]:
@@ -81,7 +81,7 @@ class HFConfigReader:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise self.refuse(key, f"{key} is {_shown(value)}, not a table (a JSON object)")
+            raise self.refuse(key, f"{key} is {shown(value)}, not a table (a JSON object)")
         return value
 
     def rope_theta(self, default: float) -> float:
@@ -141,7 +141,13 @@ def _finite_at_least(value: float, bound: float) -> bool:
         return False
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """``value`` for a message, cut short: a hostile file may hold a long string."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def listed(names: list[str], most: int = 5) -> str:
+    """The first ``most`` of ``names`` for a message, and how many more there are."""
+    shown_names = ", ".join(names[:most])
+    return shown_names + (f" and {len(names) - most} more" if len(names) > most else "")
