@@ -12,7 +12,7 @@ from forge_lm.data import prepare, shards
 from forge_lm.errors import ForgeError
 from forge_lm.metrics import measured_peak
 from forge_lm.tokenizers import hf as hf_tokenizer
-from forge_lm.train import run_dir, run_lock
+from forge_lm.train import run_lock, run_manifest
 
 DEEP = "[" * 100_000 + "]" * 100_000
 LONG_NUMBER = "1" * 5_000  # past Python's limit on converting digits to an int
@@ -36,7 +36,7 @@ def test_the_lock_file_holder_is_unreadable_not_a_crash(tmp_path, hostile):
 def test_the_plugin_manifest_is_reported_as_not_valid_json(tmp_path, hostile):
     path = tmp_path / "plugins.json"
     path.write_text(hostile)
-    manifest, problem = run_dir._read_manifest(path)
+    manifest, problem = run_manifest.read_manifest(path)
     assert manifest == []
     assert "is not valid JSON" in problem
 

@@ -6,7 +6,7 @@ import json
 
 from forge_lm import hookimpl
 from forge_lm.train import train
-from forge_lm.train.run_dir import manifest_differences
+from forge_lm.train.run_manifest import manifest_differences
 
 
 class _FutureApi:
@@ -60,7 +60,7 @@ def test_resuming_compares_only_the_plugins_that_ran(tiny_config, manager, capsy
 
 def test_a_loaded_plugin_that_was_only_incompatible_before_is_new_on_resume():
     before = [{"name": "x", "distribution": "forge-x", "version": "1", "status": "incompatible", "reason": "api"}]
-    from forge_lm.train.run_dir import _loaded
+    from forge_lm.train.run_manifest import loaded_entries
 
     after = [{"name": "x", "distribution": "forge-x", "version": "2"}]
-    assert manifest_differences(_loaded(before), after) == ["plugin 'x' (forge-x) is new"]
+    assert manifest_differences(loaded_entries(before), after) == ["plugin 'x' (forge-x) is new"]

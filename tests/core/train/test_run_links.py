@@ -19,7 +19,7 @@ from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.events import EventLog
 from forge_lm.metrics.jsonl import JsonlBackend, read_metrics
 from forge_lm.metrics.plot import plot_run
-from forge_lm.train import run_dir as run_dir_module
+from forge_lm.train import resume_rules
 from forge_lm.train.profiling import StepProfiler, _write_atomically
 from forge_lm.train.run_dir import RunDirectory
 from forge_lm.train.run_lock import LOCK_FILE, RunLock
@@ -81,7 +81,7 @@ def test_the_jsonl_backend_does_not_append_through_a_link(run, victim):
 
 def test_a_run_file_forge_rewrites_is_not_written_through_a_link(run, victim):
     with pytest.raises(ConfigError, match="cannot write to"):
-        run_dir_module._write(_link(run / "config.resume-1.toml", victim), "[train]\n")
+        resume_rules.write_run_file(_link(run / "config.resume-1.toml", victim), "[train]\n")
     assert victim.read_bytes() == PRECIOUS
 
 

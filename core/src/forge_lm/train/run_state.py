@@ -37,7 +37,7 @@ from forge_lm.distributed.compression import compressor_of
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.model.freezing import staged_parameters_trainable
 from forge_lm.plugins import PluginHookFailed, PluginManager, PluginStatus
-from forge_lm.train.run_dir import CONFIG_FILE, FIXED_ON_RESUME, differences
+from forge_lm.train.resume_rules import CONFIG_FILE, FIXED_ON_RESUME, differences
 
 SHAPE_RULE = "a state_dict must keep the shape it had when the component was built: same keys, same kinds of values"
 PLAIN_RULE = (
