@@ -1,6 +1,6 @@
 """What a training run needs in memory per rank, estimated from its config before anything is allocated.
 
-``forge train`` checks the estimate before it builds the model (``forge_lm.train.loop._build``)
+``forge train`` checks the estimate before it builds the model (``forge_lm.train.parts.build_parts``)
 and ``forge config validate`` prints it: a run that cannot fit its device is refused with a
 :class:`~forge_lm.errors.ConfigError` (exit 2) giving the estimate and the limit, in seconds,
 instead of growing until the kernel or the CUDA allocator kills it. ``[train] memory_check =
