@@ -206,3 +206,30 @@ def test_a_core_command_imports_only_its_own_module(monkeypatch):
 
 def test_the_core_commands_plugins_may_not_take_are_the_clis():
     assert set(CORE_COMMANDS) == set(COMMANDS)
+
+
+def test_the_command_in_writing_a_plugin_runs_as_written(with_plugins, capsys):
+    from pathlib import Path
+
+    from forge_lm.testing.markdown import code_block
+
+    doc = Path(__file__).resolve().parents[3] / "docs" / "writing-a-plugin.md"
+    module = types.ModuleType("forge_hello.plugin")
+    exec(code_block(doc.read_text(encoding="utf-8"), "python", "# forge_hello/plugin.py"), module.__dict__)
+    manager = with_plugins(("hello", module))
+    assert manager.plugin("hello").status is PluginStatus.OK
+
+    assert main(["hello", "Ada", "--times", "2"]) == 0
+
+    greeting = f"hello Ada, from {len(manager.plugins)} plugins\n"
+    assert capsys.readouterr().out == greeting * 2
+
+
+def test_forge_help_leaves_out_a_command_that_cannot_be_imported_with_a_warning(with_plugins, capsys):
+    with_plugins(greeter("forge_greeter_nowhere:COMMAND"))
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out, err = capsys.readouterr()
+    assert "greet" not in out
+    assert "list-plugins" in out
+    assert err.startswith("forge: warning: plugin 'greeter' (forge-greeter 2.0) cannot import its command 'greet'")

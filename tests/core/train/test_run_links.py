@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from forge_lm.cli._eval import _results_path
 from forge_lm.config import ProfilingSection
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.events import EventLog
@@ -24,6 +23,7 @@ from forge_lm.train.profiling import StepProfiler, _write_atomically
 from forge_lm.train.run_dir import RunDirectory
 from forge_lm.train.run_lock import LOCK_FILE, RunLock
 from forge_lm.train.watchdog import HangWatchdog
+from forge_lm_eval.command import _results_path
 
 PRECIOUS = b"a user's file: not Forge's to write\n"
 NOT_FOLLOWED = "is a symbolic link .*; Forge does not follow links inside a run directory"
