@@ -10,7 +10,6 @@ import dataclasses
 import datetime
 import json
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import torch
 from forge_lm import hardware
 from forge_lm.metrics.peak_dtypes import DTYPE_NAMES
 from forge_lm.model.linear import onednn_available
+from forge_lm.notices import warn
 
 CPU_MEASURE_SECONDS = 0.2  # target duration of one timed matmul
 # The best of these is the peak: a matmul slowed by another process only loses, so more tries
@@ -91,12 +91,10 @@ def _measure_and_maybe_cache(dtype: torch.dtype, key: str) -> tuple[float, str]:
     measured = measure_cpu(dtype)
     if hardware.is_busy(others, cpus):
         source = _measured_source(dataclasses.asdict(measured), "not cached", busy=f"load {others:.1f} on {cpus} CPUs")
-        print(
-            f"forge: warning: the CPU peak for MFU was {source}: other processes were running, so it is "
+        warn(
+            f"the CPU peak for MFU was {source}: other processes were running, so it is "
             "probably too low and MFU too high; it is used for this run only. Fix: run on an idle machine "
             "once, or set [metrics] peak_flops",
-            file=sys.stderr,
-            flush=True,
         )
         _BUSY_MEASUREMENTS[key] = (measured.flops, source)
         return measured.flops, source

@@ -14,14 +14,13 @@ given by :func:`peak_with_source`, first found of:
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from forge_lm.errors import ConfigError
 from forge_lm.metrics.cpu_peak import cpu_peak_with_source
 from forge_lm.metrics.gpu_peaks import gpu_peak_with_source
 from forge_lm.metrics.peak_dtypes import DTYPE_NAMES, SET_PEAK
+from forge_lm.notices import warn
 
 CONFIGURED_SOURCE = "configured ([metrics] peak_flops)"
 
@@ -77,11 +76,7 @@ def world_peak_with_source(
     try:
         peak, source = peak_with_source(device, dtype, configured)
     except ConfigError as unknown:
-        print(
-            f"forge: warning: MFU will not be logged: {str(unknown).removeprefix('[metrics] peak_flops: ')}",
-            file=sys.stderr,
-            flush=True,
-        )
+        warn(f"MFU will not be logged: {str(unknown).removeprefix('[metrics] peak_flops: ')}")
         return None
     return peak * world_size, source
 

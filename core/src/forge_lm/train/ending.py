@@ -11,7 +11,6 @@ is checkpointed first, and says what is intact (the policy is in :mod:`forge_lm.
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +21,7 @@ from forge_lm.distributed import ParallelDims
 from forge_lm.distributed.launch import shutdown_distributed
 from forge_lm.distributed.pipeline import PipelineRunner
 from forge_lm.errors import ForgeError
+from forge_lm.notices import warn
 from forge_lm.plugins import PluginManager, PluginStatus
 from forge_lm.plugins._calls import PluginHookFailed, describe
 from forge_lm.train.watchdog import HANG_EXIT_CODE, HangWatchdog
@@ -110,7 +110,7 @@ def end_run(
     except Exception as exc:
         if status == "completed":
             raise
-        _warn(f"the checkpoint being written in the background did not finish: {describe(exc)}")
+        warn(f"the checkpoint being written in the background did not finish: {describe(exc)}")
     if interrupted is not None and status == "completed":
         raise interrupted
 
@@ -212,8 +212,4 @@ def warn_about_unused_plugins(manager: PluginManager) -> None:
     """One line per installed plugin this run goes without because it is broken or incompatible."""
     for plugin in manager.plugins:
         if plugin.status in (PluginStatus.BROKEN, PluginStatus.INCOMPATIBLE):
-            _warn(f"{plugin.label} is {plugin.status} and not used by this run: {plugin.reason}")
-
-
-def _warn(message: str) -> None:
-    print(f"forge: warning: {message}", file=sys.stderr, flush=True)
+            warn(f"{plugin.label} is {plugin.status} and not used by this run: {plugin.reason}")

@@ -58,6 +58,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from forge_lm.config import ProfilingSection
+from forge_lm.notices import warn
 from forge_lm.run_links import make_dirs
 from forge_lm.train.profiler_output import release_window, size_in_words, without_kineto_lines
 
@@ -206,7 +207,7 @@ class StepProfiler:
                 with without_kineto_lines():
                     prof.stop()  # saves the window in progress, with the steps of it that completed
             except Exception as error:  # noqa: BLE001 - never replaces the exception that ended the run
-                _warn(f"could not stop the profiler: {error}")
+                warn(f"could not stop the profiler: {error}")
         if self._history:
             if exc_type is not None and issubclass(exc_type, torch.OutOfMemoryError):
                 # The history up to the failed allocation is what explains it: keep it first.
@@ -290,7 +291,7 @@ class StepProfiler:
             try:
                 self._export(prof, (first, last))
             except Exception as exc:  # noqa: BLE001 - a full disk or a torch export bug: the run goes on
-                _warn(f"could not write the profile of steps {first}-{last} to {self.out_dir}: {exc}")
+                warn(f"could not write the profile of steps {first}-{last} to {self.out_dir}: {exc}")
         finally:
             # The window's events are written (or given up): the memory they hold goes back now,
             # not when the next window or the end of the run replaces them.
@@ -330,7 +331,7 @@ class StepProfiler:
             )
 
     def _give_up(self, exc: Exception) -> None:
-        _warn(f"profiling stopped after an error ({type(exc).__name__}: {exc}); training goes on unprofiled")
+        warn(f"profiling stopped after an error ({type(exc).__name__}: {exc}); training goes on unprofiled")
         self._marker = None  # a half-open span is dropped with its profiler
         prof, self._prof = self._prof, None
         if prof is not None:
@@ -348,7 +349,7 @@ class StepProfiler:
     def _start_history(self) -> None:
         if self.device.type != "cuda":
             if self.rank == 0:  # the same for every rank: said once
-                _warn(
+                warn(
                     f"[profiling] memory_snapshot_step = {self.section.memory_snapshot_step} is ignored: "
                     f"memory snapshots record the CUDA allocator, and this run is on {self.device.type}"
                 )
@@ -357,7 +358,7 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES, device=self.device)
             self._history = True
         except Exception as exc:  # noqa: BLE001 - no snapshot is better than no run
-            _warn(f"cannot record CUDA memory history, so no memory snapshot will be written: {exc}")
+            warn(f"cannot record CUDA memory history, so no memory snapshot will be written: {exc}")
 
     def _dump_snapshot(self, name: str) -> None:
         path = self.out_dir / name
@@ -367,7 +368,7 @@ class StepProfiler:
                 path.unlink()
             torch.cuda.memory._dump_snapshot(str(path))
         except Exception as exc:  # noqa: BLE001 - as for the traces
-            _warn(f"could not write the memory snapshot {path}: {exc}")
+            warn(f"could not write the memory snapshot {path}: {exc}")
             return
         self.written.append(path)
         print(f"forge: memory snapshot written to {path}; open it at {MEMORY_VIZ}", file=sys.stderr, flush=True)
@@ -377,7 +378,7 @@ class StepProfiler:
         try:
             torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
         except Exception as exc:  # noqa: BLE001 - as for the traces
-            _warn(f"could not stop recording CUDA memory history: {exc}")
+            warn(f"could not stop recording CUDA memory history: {exc}")
 
 
 def _write_atomically(path: Path, write: Any) -> None:
@@ -391,10 +392,6 @@ def _write_atomically(path: Path, write: Any) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _warn(message: str) -> None:
-    print(f"forge: warning: {message}", file=sys.stderr, flush=True)
 
 
 __all__ = ["PROFILES_DIR", "StepProfiler", "rank_dir", "recorded_steps", "summarize", "window_schedule"]

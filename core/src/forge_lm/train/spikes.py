@@ -35,7 +35,6 @@ window, in the checkpoint's trainer state, so that a resumed run judges as the s
 from __future__ import annotations
 
 import math
-import sys
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -44,6 +43,7 @@ import attrs
 import torch
 
 from forge_lm import events
+from forge_lm.notices import warn
 from forge_lm.train.resilience import NonFiniteLoss
 
 _STATE_KEYS = {"values", "spikes", "in_a_row"}
@@ -182,13 +182,9 @@ def handle_spike(
         restored = roll_back()  # the window comes back as the checkpoint had it; the counts go on
         detector.spikes, detector.in_a_row = spikes, in_a_row
         if restored is not None:
-            _warn(f"{what}; rolled back to step {restored}, skipping the batches read since (up to batch {read})")
+            warn(f"{what}; rolled back to step {restored}, skipping the batches read since (up to batch {read})")
             return
-        _warn(f"{what}; no checkpoint to roll back to yet: skipped the step instead")
+        warn(f"{what}; no checkpoint to roll back to yet: skipped the step instead")
     else:
         events.record("loss_spike", action="skip", skipped_batches=[read - micro_batches + 1, read], **fields)
-        _warn(f"{what}; skipped the step and its batches {read - micro_batches + 1} to {read}")
-
-
-def _warn(message: str) -> None:
-    print(f"forge: warning: {message}", file=sys.stderr, flush=True)
+        warn(f"{what}; skipped the step and its batches {read - micro_batches + 1} to {read}")
