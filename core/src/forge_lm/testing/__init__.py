@@ -53,7 +53,8 @@ expected (the pass mark) and what it measured.
   ``evaluate`` returns a mapping of metric names to finite Python numbers (an undefined metric
   is left out); the weights (values and dtypes), ``requires_grad``, gradients and every
   module's train/eval mode are the same after the call; a ``ReportsResults`` evaluator's
-  ``results`` are then a mapping JSON can hold and its ``table`` a string.
+  ``results``, after a call that returned metrics (up to 3 calls), are a mapping JSON can hold
+  and its ``table`` a string.
 - routers (the contract forge-moe defines: ``factory(options, dim, n_experts, top_k)``,
   ``router(x) -> indices, weights, aux_losses``): shapes and dtypes (``[batch * seq, top_k]``,
   int64 and float32; scalar aux losses); ``top_k`` distinct experts in ``[0, n_experts)`` per
