@@ -17,7 +17,7 @@ $(PY):
 $(STAMP): $(PY) constraints.txt requirements-dev.txt $(addsuffix /pyproject.toml,$(PACKAGES))
 	$(PIP) install -c constraints.txt torch==2.13.0
 	$(PIP) install -c constraints.txt -r requirements-dev.txt
-	$(PIP) install -c constraints.txt --no-build-isolation -e "core[hf,tensorboard,plot]" \
+	$(PIP) install -c constraints.txt --no-build-isolation -e "core[hf,tensorboard,plot,s3]" \
 		$(addprefix -e ,$(filter-out core,$(PACKAGES)))
 	touch $(STAMP)
 

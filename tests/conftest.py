@@ -132,6 +132,7 @@ SLOW_TESTS: tuple[str, ...] = (
     "tests/benchmarks/test_bench_gpu.py",
     "tests/core/cli/test_train_commands.py",
     "tests/core/cli/test_log_interval.py",
+    "tests/core/checkpoint/test_object_store.py::test_a_run_killed_after_a_save_resumes_from_the_bucket_bit_for_bit",
     "tests/core/observability/test_watchdog.py",
     "tests/core/test_import_noise.py",
     "tests/examples/",

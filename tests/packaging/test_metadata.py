@@ -115,7 +115,7 @@ def test_core_provides_the_forge_command_and_depends_on_no_plugin(wheelhouse):
 
 def test_core_extras_are_declared_for_the_optional_components(wheelhouse):
     metadata = wheel_metadata(wheel_of(wheelhouse, CORE))
-    assert set(metadata.get_all("Provides-Extra")) == {"hf", "tensorboard", "plot"}
+    assert set(metadata.get_all("Provides-Extra")) == {"hf", "tensorboard", "plot", "s3"}
 
 
 @pytest.mark.parametrize("distribution", PLUGINS)

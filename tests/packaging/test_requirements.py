@@ -22,7 +22,7 @@ def test_core_comes_first_with_its_installed_extras_then_each_plugin_pinned(caps
     lines = _requirements(capsys)
 
     # The development set-up installs the core with every extra, and the six first-party plugins.
-    assert lines[0] == f"forge-lm[hf,plot,tensorboard]=={core_version()}"
+    assert lines[0] == f"forge-lm[hf,plot,s3,tensorboard]=={core_version()}"
     first_party = {
         "forge-float8==0.1.0",
         "forge-lm-eval==0.1.0",

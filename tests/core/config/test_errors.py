@@ -40,8 +40,9 @@ def test_an_unknown_key_suggests_the_close_one_and_lists_the_valid_keys(error):
 
 def test_an_unknown_key_with_nothing_close_lists_the_valid_keys_only(error):
     assert error("[checkpoint]\ncolour = 1\n") == (
-        "[checkpoint] colour: unknown key. Valid keys: 'async_save', 'growth', 'init_from', 'interval', "
-        "'keep', 'keep_best_metric', 'keep_best_mode', 'keep_best_n', 'keep_every_n_steps', 'keep_last_n', 'max_failed_saves'."
+        "[checkpoint] colour: unknown key. Valid keys: 'async_save', 'dir', 'growth', 'init_from', 'interval', "
+        "'keep', 'keep_best_metric', 'keep_best_mode', 'keep_best_n', 'keep_every_n_steps', 'keep_last_n', "
+        "'max_failed_saves'."
     )
 
 

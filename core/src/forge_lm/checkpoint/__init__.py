@@ -1,6 +1,8 @@
 """Checkpoints of a run, written with torch.distributed.checkpoint (sharded, reshardable).
 
-Layout under the run directory::
+Layout under the run directory (or, with ``[checkpoint] dir`` an object-store URL such as
+``s3://bucket/prefix``, ``checkpoints/`` is that prefix: :mod:`._object_store`; the run directory
+keeps its lock, metrics, events, config and ``run_id``)::
 
     checkpoints/step_<N>/                  DCP tensor files: model, optimizer, plugin tensors
     checkpoints/step_<N>/trainer_state.json  everything else, as plain data: step, scheduler,
@@ -23,6 +25,7 @@ from forge_lm.checkpoint._errors import CheckpointPlaceError, CheckpointSaveErro
 from forge_lm.checkpoint._layout import CHECKPOINTS, RUN_ID_FILE, SAVE_IN_PROGRESS, read_run_id, step_of
 from forge_lm.checkpoint._manager import CheckpointManager, latest_checkpoint
 from forge_lm.checkpoint._safe import DamagedCheckpointError, UnsafeCheckpointError
+from forge_lm.checkpoint._store import check_location
 
 __all__ = [
     "CHECKPOINTS",
@@ -34,6 +37,7 @@ __all__ = [
     "DamagedCheckpointError",
     "NonFiniteWeights",
     "UnsafeCheckpointError",
+    "check_location",
     "latest_checkpoint",
     "read_run_id",
     "step_of",

@@ -1,4 +1,5 @@
-"""Where a run's checkpoints are kept: a local directory (:mod:`._local_store`).
+"""Where a run's checkpoints are kept: a local directory (:mod:`._local_store`), or an object
+store (:mod:`._object_store`) when ``[checkpoint] dir`` is a URL.
 
 A store holds one entry per step (``step_<N>``, each a directory of plain files) and small files
 beside them (``latest``). Every store offers the same operations, used by finding, writing and
@@ -22,4 +23,17 @@ from forge_lm.checkpoint._local_store import LocalStore
 
 def open_store(run_dir: Path, location: str | None) -> Any:
     """The store of a run's checkpoints: ``location`` (an object-store URL) or ``<run_dir>/checkpoints``."""
-    return LocalStore(run_dir / CHECKPOINTS)
+    if not location:
+        return LocalStore(run_dir / CHECKPOINTS)
+    from forge_lm.checkpoint._object_store import ObjectStore  # here: fsspec is imported only for a URL
+
+    return ObjectStore(location)
+
+
+def check_location(location: str | None) -> None:
+    """Before a run writes anything: an object-store ``[checkpoint] dir`` must be reachable with
+    the environment's credentials and its bucket must exist (a ConfigError naming the setting and
+    the fix otherwise, including a missing storage library). A local directory needs no check
+    here: the run directory's own checks cover it."""
+    if location:
+        open_store(Path("."), location).check_reachable()

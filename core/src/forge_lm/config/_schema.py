@@ -572,6 +572,24 @@ class KeepRange:
     )
 
 
+# A bucket and a prefix of plain segments: no credentials (user:password@), no query (?endpoint=),
+# no empty, '.' or '..' segment, so that every key a run writes stays under the prefix.
+_STORE_URL = re.compile(r"(s3|gs|gcs)://([a-z0-9][a-z0-9._-]{1,61}[a-z0-9])((/[A-Za-z0-9_.=+-]+)*)/?")
+
+
+def _object_store_url(_: Any, attribute: Any, value: str | None) -> None:
+    if value is None:
+        return
+    match = _STORE_URL.fullmatch(value)
+    if match is None or any(part in (".", "..") for part in match.group(3).split("/")):
+        raise FieldError(
+            attribute.name,
+            f"{value!r} is not an object-store URL: give s3://bucket/prefix or gs://bucket/prefix (a bucket name, "
+            "then path segments of letters, digits and _.=+-; no credentials, query or '..'). Checkpoints on a "
+            "local disk go to <train.output_dir>/checkpoints: leave dir unset",
+        )
+
+
 def _ranges_in_order(_: Any, attribute: Any, rules: list[KeepRange]) -> None:
     ends = [rule.until_step for rule in rules]
     if None in ends[:-1]:
@@ -673,6 +691,17 @@ class CheckpointSection:
         default="min",
         validator=one_of("min", "max"),
         metadata=_doc("'min': lower keep_best_metric is better; 'max': higher is."),
+    )
+    dir: str | None = attrs.field(
+        default=None,
+        validator=_object_store_url,
+        metadata=_doc(
+            "Keep the checkpoints on an object store: s3://bucket/prefix (with s3fs: forge-lm[s3]) or "
+            "gs://bucket/prefix (with gcsfs); the run directory keeps its lock, metrics, events and config. "
+            "Credentials and the endpoint come from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+            "AWS_ENDPOINT_URL, ...) or the library's own files, never from this config. Unset: "
+            "<output_dir>/checkpoints."
+        ),
     )
     async_save: bool = attrs.field(
         default=False, metadata=_doc("Write checkpoints in the background while training goes on.")

@@ -47,7 +47,7 @@ def read_initial_weights(config: Any, model: torch.nn.Module, manager: Any) -> I
         return None
     if not source.strip():
         raise ConfigError("[checkpoint] init_from: empty; name a run directory, a checkpoint or a Hugging Face model.")
-    if CheckpointManager(config.train.output_dir).complete():
+    if CheckpointManager(config.train.output_dir, location=config.checkpoint.dir).complete():
         if rank() == 0:
             print(
                 f"forge: [checkpoint] init_from = '{source}' is ignored: '{config.train.output_dir}' has checkpoints "

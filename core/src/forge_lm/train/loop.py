@@ -24,6 +24,7 @@ from pathlib import Path
 import attrs
 
 from forge_lm import events
+from forge_lm.checkpoint import check_location
 from forge_lm.config import ForgeConfig, to_data
 from forge_lm.distributed import is_main_process
 from forge_lm.distributed.launch import on_main_process
@@ -111,6 +112,7 @@ def _train(config: ForgeConfig, manager: PluginManager, directory: RunDirectory,
     if is_main_process():
         warn_about_unused_plugins(manager)
     check_startup()  # a preemption signal while building: stop before anything is written
+    check_location(config.checkpoint.dir)  # [checkpoint] dir on an object store: reachable, before writing
     initial = read_initial_weights(config, parts.model, manager)  # [checkpoint] init_from: refused before writing
     # Only now, with everything built, is the run directory locked and written (or found, to
     # resume): a failed start leaves nothing behind.

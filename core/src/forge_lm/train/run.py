@@ -29,7 +29,7 @@ import attrs
 import torch
 
 from forge_lm import events
-from forge_lm.checkpoint import CheckpointManager
+from forge_lm.checkpoint import CheckpointManager, check_location
 from forge_lm.config import ForgeConfig, to_data
 from forge_lm.distributed import is_main_process
 from forge_lm.distributed.launch import on_main_process
@@ -102,7 +102,11 @@ class Run:
     ) -> None:
         self.config, self.manager, self.parts, self.run_dir, self.ramp = config, manager, parts, run_dir, ramp
         self.checkpoints = CheckpointManager(
-            run_dir, config.checkpoint.keep_last_n, config.checkpoint.async_save, retention=config.checkpoint
+            run_dir,
+            config.checkpoint.keep_last_n,
+            config.checkpoint.async_save,
+            retention=config.checkpoint,
+            location=config.checkpoint.dir,
         )
         self.context = TrainContext(
             config,
@@ -268,10 +272,12 @@ def start_run(config: ForgeConfig, manager: PluginManager) -> Run:
     no hang watchdog or preemption handler, calls no ``train_start``, ``step_end`` or
     ``train_end`` hooks, and saves or evaluates only when asked."""
     teardown, directory = Teardown(), RunDirectory(config.train.output_dir)
+    parts = None
     try:
         parts = build_parts(config, manager)
         teardown.hold(parts.pipeline)
         ramp = BatchRamp.for_run(config, parts.tokens_per_step)  # [train.batch_ramp]: a misfit is refused here
+        check_location(config.checkpoint.dir)  # an object store's bucket and credentials, before writing
         initial = read_initial_weights(config, parts.model, manager)
         run_dir, resuming = on_main_process(lambda: directory.open(config, manager))
         run = Run(config, manager, parts, run_dir, ramp)
@@ -279,6 +285,8 @@ def start_run(config: ForgeConfig, manager: PluginManager) -> Run:
         run.start_backends()
     except BaseException:
         try:
+            if parts is not None:
+                parts.train_batches.close()  # a reader thread (on CUDA) ends with the start that failed
             directory.close(failed=True)
         finally:
             teardown.close(together=False)
