@@ -30,6 +30,17 @@ def cpu_multiplies_bf16() -> bool:
     return any(callable(check) and check() for check in detected)
 
 
+def cpu_multiplies_fp16() -> bool:
+    """Whether torch runs this CPU's fp16 matmuls on oneDNN with fp16 instructions (AVX512-FP16 or
+    AMX-FP16), as torch's own check reports it. Without them fp16 products are emulated, many
+    times slower than fp32 (and than bf16 on a CPU with bf16 units)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except RuntimeError:  # a build without oneDNN
+        return False
+
+
 def cpu_model() -> str:
     """The CPU's model name (Linux: /proc/cpuinfo), else what the platform module knows."""
     with contextlib.suppress(OSError):

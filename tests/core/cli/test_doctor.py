@@ -223,6 +223,63 @@ def test_on_a_gpu_the_precision_row_states_the_autocast_dtype(doctor, monkeypatc
     assert rows["precision"] == ("ok", "train.precision 'auto': bf16 autocast on cuda")
 
 
+@pytest.mark.parametrize(
+    ("fp16_units", "status", "says"),
+    [
+        (True, "ok", "train.precision 'fp16': fp16 autocast with a dynamic loss scale on cpu; fp16 autocast runs, "
+         "on this CPU's fp16 matrix instructions"),
+        (False, "warning", "fp16 autocast runs, but this CPU has no fp16 matrix instructions (AVX512-FP16, "
+         "AMX-FP16): torch emulates fp16 products"),
+    ],
+)  # fmt: skip
+def test_the_precision_row_says_fp16_autocast_runs_on_this_cpu_and_how_fast(doctor, monkeypatch, fp16_units, status,
+                                                                            says):  # fmt: skip
+    """The autocast product is really run (this torch runs it); the fp16 units are stood in for."""
+    monkeypatch.setattr(hardware, "cpu_multiplies_fp16", lambda: fp16_units)
+
+    code, rows = doctor("--no-plugin-autoload", "--train.device=cpu", "--train.precision=fp16")
+
+    assert code == 0
+    assert rows["precision"][0] == status
+    assert says in rows["precision"][1]
+    assert rows["peak flops"][1].startswith("cpu fp16: ")
+
+
+def test_fp16_autocast_that_does_not_run_on_this_cpu_fails_the_precision_row(doctor, monkeypatch):
+    def refused(*args, **kwargs):
+        raise RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Half'")
+
+    monkeypatch.setattr(torch.nn.functional, "linear", refused)
+
+    code, rows = doctor("--no-plugin-autoload", "--train.device=cpu", "--train.precision=fp16")
+
+    assert code == 1
+    assert rows["precision"] == (
+        "fail",
+        "train.precision 'fp16': fp16 autocast with a dynamic loss scale on cpu, but fp16 autocast does not run on "
+        f"this CPU with torch {torch.__version__} (RuntimeError: \"addmm_impl_cpu_\" not implemented for 'Half'). "
+        "Use --train.precision=fp32",
+    )
+
+
+@pytest.mark.parametrize(
+    ("gpu_name", "peak", "label"),
+    [("NVIDIA H100 80GB HBM3", 989.4e12, "NVIDIA H100 SXM"), ("Tesla V100-SXM2-32GB", 125e12, "NVIDIA V100")],
+)
+def test_on_a_gpu_fp16_runs_and_its_peak_is_the_tables_fp16_rate(doctor, monkeypatch, gpu_name, peak, label):
+    _a_gpu(monkeypatch, nccl=True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: gpu_name)
+    monkeypatch.setattr("forge_lm.train.device.resolve_device", lambda setting: torch.device("cuda"))
+
+    _, rows = doctor("--no-plugin-autoload", "--train.device=cpu", "--train.precision=fp16")
+
+    assert rows["precision"] == (
+        "ok",
+        "train.precision 'fp16': fp16 autocast with a dynamic loss scale on cuda; every CUDA GPU computes in fp16",
+    )
+    assert rows["peak flops"] == ("ok", f"cuda fp16: {peak:.3g} FLOP/s, GPU table: {label} fp16")
+
+
 def test_gpu_without_bf16_warns_to_use_fp32(doctor, monkeypatch):
     _a_gpu(monkeypatch, nccl=True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)

@@ -537,3 +537,108 @@ def test_machine_load_leaves_out_this_process(monkeypatch):
     monkeypatch.setattr(hardware, "_own_load", lambda: 1.0)
 
     assert hardware.machine_load() == (2.0, 4)
+
+
+# -- fp16 ([train] precision = "fp16") --------------------------------------------------------------
+
+
+# The datasheets' FP16 tensor rates with FP32 accumulation, dense (sparse figures halved); on
+# every GPU with bf16 they equal its BF16 rate. V100 (SXM2) and T4 have fp16 tensor cores only.
+@pytest.mark.parametrize(
+    ("device_name", "fp16"),
+    [
+        ("NVIDIA H100 80GB HBM3", 1979e12 / 2),
+        ("NVIDIA H200", 1979e12 / 2),
+        ("NVIDIA A100-SXM4-80GB", 624e12 / 2),
+        ("NVIDIA L4", 242e12 / 2),
+        ("NVIDIA GeForce RTX 4090", 330.4e12 / 2),  # with FP32 accumulate: half the FP16-accumulate rate
+        ("Tesla V100-SXM2-16GB", 125e12),
+        ("Tesla T4", 65e12),
+    ],
+)
+def test_known_gpus_get_their_dense_fp16_peak(monkeypatch, device_name, fp16):
+    gpu_named(monkeypatch, device_name)
+
+    assert peak_flops("cuda", torch.float16) == pytest.approx(fp16, rel=2e-3)
+    _, source = peak_with_source("cuda", torch.float16)
+    assert source.startswith("GPU table: NVIDIA ")
+    assert source.endswith(" fp16")
+
+
+def test_every_gpu_with_a_bf16_peak_has_the_same_fp16_peak():
+    from forge_lm.metrics.gpu_peaks import GPU_PEAKS
+
+    for _, label, peaks in GPU_PEAKS:
+        assert "fp16" in peaks, label  # every CUDA GPU computes fp16
+        if "bf16" in peaks:
+            assert peaks["fp16"] == peaks["bf16"], label
+
+
+def test_the_cpu_fp16_peak_is_measured_on_float16_products_and_cached_apart(cache_home, measurements):
+    assert peak_flops("cpu", torch.float16) == 1e11
+    assert peak_flops("cpu", torch.float32) == 2e11
+    assert measurements == [torch.float16, torch.float32]
+    cache = json.loads(cache_path().read_text())
+    assert cache[cpu_cache_key(torch.float16)] == entry(1e11)
+    assert cpu_cache_key(torch.float16).endswith(" | fp16 | torch.mm+F.linear")
+
+
+def test_fp16_measures_the_layout_of_a_linear_layer_too(monkeypatch):
+    """torch emulates fp16 products on CPUs without fp16 units, and a linear layer's ``a @ b.T``
+    runs faster there than ``a @ b``: the peak is the faster (an MFU against the slower would
+    exceed 1). Each kernel gets float16 matrices and computes the product's FLOPs."""
+    kernels = measured_peak.matmul_kernels(torch.float16)
+    assert list(kernels) == ["torch.mm", "F.linear"]
+    a, b = torch.randn(32, 32).half(), torch.randn(32, 32).half()
+    assert torch.equal(kernels["F.linear"](a, b), torch.nn.functional.linear(a, b))
+    seen = []
+    fakes = {name: (lambda a, b, name=name: seen.append((name, a.dtype, b.dtype)) or a) for name in kernels}
+    monkeypatch.setattr(measured_peak, "matmul_kernels", lambda dtype: fakes)
+    measured_peak._matmul_rate(64, torch.float16, repeats=2)
+    assert {(a_dtype, b_dtype) for _, a_dtype, b_dtype in seen} == {(torch.float16, torch.float16)}
+    assert {name for name, _, _ in seen} == {"torch.mm", "F.linear"}
+
+
+def test_a_linear_layer_under_fp16_autocast_is_no_faster_than_the_fp16_peak_measured():
+    """The real products at 256 (emulated fp16 is slow: one product takes milliseconds): a layer's
+    product under fp16 autocast, timed like the measurement, stays below the measured peak (x1.5
+    for timing noise on a shared machine)."""
+    import time
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        peak = measured_peak._matmul_rate(256, torch.float16, repeats=3)
+        x, weight = torch.randn(256, 256), torch.randn(256, 256)
+        best = math.inf
+        for _ in range(4):
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = torch.nn.functional.linear(x, weight)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    assert out.dtype == torch.float16
+    assert 2 * 256**3 / best < 1.5 * peak
+
+
+FP16_CPUS = [  # (what, flags beyond AVX-512, fp16 FLOP/cycle/core or None: measured instead)
+    ("Granite Rapids", "avx512_bf16 avx512_fp16 amx_bf16 amx_fp16 amx_tile", 2048),
+    ("Sapphire Rapids", "avx512_bf16 avx512_fp16 amx_bf16 amx_tile", None),
+    ("Zen 4", "avx512_bf16", None),
+]
+
+
+@pytest.mark.parametrize(("what", "flags", "fp16"), FP16_CPUS, ids=[row[0] for row in FP16_CPUS])
+def test_the_theoretical_fp16_peak_is_known_with_amx_fp16_only(tmp_path, what, flags, fp16):
+    cpuinfo = fake_cpuinfo("GenuineIntel", 6, 173, f"Intel(R) Xeon(R) {what}", f"{AVX512} {flags}")
+    sysfs = fake_sysfs(tmp_path, cpus=4, max_khz=3_000_000)
+
+    peak, source = theoretical_cpu_peak(torch.float16, cpuinfo=cpuinfo, sysfs=sysfs, affinity={0, 1, 2, 3}, threads=2)
+
+    if fp16 is None:
+        assert peak is None
+        assert "no fp16 matrix instructions (amx_fp16)" in source
+    else:
+        assert peak == pytest.approx(2 * 3e9 * fp16)
+        assert source == "theoretical: 2 cores x 3.00 GHz x 2048 FLOP/cycle (AMX-FP16, 1024 multiply-adds)"

@@ -117,6 +117,7 @@ def parse_cpuinfo(text: str) -> list[dict[str, str]]:
 # AMD Software Optimization Guides for family 17h (Zen 2: two 256-bit FMA pipes), 19h (Zen 3
 # likewise; Zen 4 runs 512-bit AVX-512 as two halves on them) and 1Ah (Zen 5: 512-bit FMA
 # pipes). AVX512_BF16's VDPBF16PS does two bf16 products per fp32 lane: twice the fp32 rate.
+# Intel's AMX-FP16 (Granite Rapids) tile multiply has AMX-BF16's throughput, in fp16.
 # Older or other CPUs are left out: their peak is measured instead.
 _AVX512_TWO_UNITS = (64, "AVX-512, 2 FMA units")
 _AVX512_ONE_UNIT = (32, "AVX-512, 1 FMA unit")
@@ -125,7 +126,7 @@ _AVX2 = (32, "AVX2, 2 FMA units")
 
 def cpu_flop_per_cycle(processor: dict[str, str], dtype_name: str) -> tuple[int | None, str]:
     """``(FLOP per cycle per core, what sets it)`` for one /proc/cpuinfo block computing in
-    ``dtype_name`` ("fp32" or "bf16"), or ``(None, why not)`` for a CPU or dtype not known."""
+    ``dtype_name`` ("fp32", "bf16" or "fp16"), or ``(None, why not)`` for a CPU or dtype not known."""
     flags = set(processor.get("flags", "").split())
     model_name = processor.get("model name", "unknown CPU")
     if dtype_name == "bf16":
@@ -137,6 +138,15 @@ def cpu_flop_per_cycle(processor: dict[str, str], dtype_name: str) -> tuple[int 
                 return None, kind
             return 2 * fp32, f"AVX512-BF16, twice the fp32 rate of {kind}"
         return None, f"{model_name}: no bf16 matrix instructions (amx_bf16, avx512_bf16) among its flags"
+    if dtype_name == "fp16":
+        # AMX-FP16 (Granite Rapids) runs TDPFP16PS at TDPBF16PS's rate, accumulating in fp32, and
+        # torch's fp16 matmuls reach it through oneDNN. AVX512-FP16 alone is left to measurement:
+        # its FMAs accumulate in fp16, and the rate of oneDNN's fp32-accumulating fp16 GEMM on it
+        # is no per-cycle figure Forge knows. A CPU with neither emulates fp16 products, far below
+        # its fp32 rate: measuring them is the only honest peak (MFU is then of that slow rate).
+        if "amx_fp16" in flags:
+            return 2048, "AMX-FP16, 1024 multiply-adds"
+        return None, f"{model_name}: no fp16 matrix instructions (amx_fp16) among its flags"
     if dtype_name != "fp32":
         return None, f"no theoretical CPU peak for {dtype_name}"
     vendor = processor.get("vendor_id", "")

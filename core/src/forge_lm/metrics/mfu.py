@@ -10,6 +10,11 @@ given by :func:`peak_with_source`, first found of:
   boost clock);
 - else on CPU, the best of several timed matmuls, cached on disk only when the machine was
   idle (:mod:`forge_lm.metrics.measured_peak`).
+
+Each is the peak of the run's autocast dtype: fp32, bf16 or, under ``precision = "fp16"``, fp16
+(the GPU table's FP16 tensor-core rate, which its datasheets give as the BF16 rate wherever a GPU
+has both; on a CPU the theoretical rate with AMX-FP16, else measured float16 products, which a
+CPU without fp16 matrix instructions emulates, far below its fp32 rate).
 """
 
 from __future__ import annotations

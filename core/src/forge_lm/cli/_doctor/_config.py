@@ -42,7 +42,9 @@ def precision(context: Context) -> list[Check]:
     """What ``[train] precision`` means on the run's device and, on a CPU, whether bf16 would be
     faster there or slower: it has bf16 matrix instructions or torch emulates them. ``"auto"``
     stays fp32 on every CPU (a run's numbers should not depend on the CPU it lands on), so the
-    faster choice is pointed out rather than taken. Nothing when the device does not resolve."""
+    faster choice is pointed out rather than taken. ``"fp16"``: whether float16 autocast runs on
+    the device (every CUDA GPU has fp16; on a CPU a tiny autocast product is run to see) and, on
+    a CPU, whether it has fp16 matrix instructions. Nothing when the device does not resolve."""
     if context.config is None or context.torch is None:
         return []
     from forge_lm.errors import ForgeError
@@ -54,7 +56,10 @@ def precision(context: Context) -> list[Check]:
         resolved = resolve_device(context.config.train.device)
     except ForgeError:
         return []
-    bf16 = autocast_dtype(setting, resolved) is not None
+    dtype = autocast_dtype(setting, resolved)
+    if dtype == context.torch.float16:
+        return _fp16_precision(context, resolved)
+    bf16 = dtype is not None
     what = f"train.precision '{setting}': {'bf16 autocast' if bf16 else 'fp32'} on {resolved.type}"
     if resolved.type != "cpu":
         return [Check("precision", OK, what)]
@@ -82,6 +87,48 @@ def precision(context: Context) -> list[Check]:
     ]
 
 
+def _fp16_precision(context: Context, device) -> list[Check]:
+    """The precision row of ``precision = "fp16"``: fp16 autocast with a dynamic loss scale."""
+    from forge_lm.hardware import cpu_multiplies_fp16
+
+    what = f"train.precision 'fp16': fp16 autocast with a dynamic loss scale on {device.type}"
+    if device.type != "cpu":
+        return [Check("precision", OK, f"{what}; every CUDA GPU computes in fp16")]
+    failure = _fp16_autocast_failure(context.torch)
+    if failure is not None:
+        return [
+            Check(
+                "precision",
+                FAIL,
+                f"{what}, but fp16 autocast does not run on this CPU with torch {context.torch.__version__} "
+                f"({failure}). Use --train.precision=fp32",
+            )
+        ]
+    if cpu_multiplies_fp16():
+        return [Check("precision", OK, f"{what}; fp16 autocast runs, on this CPU's fp16 matrix instructions")]
+    return [
+        Check(
+            "precision",
+            WARNING,
+            f"{what}: fp16 autocast runs, but this CPU has no fp16 matrix instructions (AVX512-FP16, AMX-FP16): "
+            "torch emulates fp16 products, many times slower than fp32. fp16 is meant for GPUs without bf16 "
+            "(V100, T4); use --train.precision=fp32 on this CPU (or 'auto').",
+        )
+    ]
+
+
+def _fp16_autocast_failure(torch) -> str | None:
+    """Why a float16 autocast product fails on the CPU, or None when it runs and gives float16."""
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            product = torch.nn.functional.linear(torch.ones(2, 8), torch.ones(4, 8))
+    except (RuntimeError, TypeError, ValueError) as exc:  # a torch build or CPU without fp16 kernels
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if product.dtype != torch.float16:
+        return f"a product under fp16 autocast came out in {product.dtype}"
+    return None
+
+
 def peak_flops(context: Context) -> list[Check]:
     """The peak FLOP/s that MFU divides by, and where it comes from; nothing when the device
     does not resolve (the device row says why). A check stays quick, so a CPU peak that would
@@ -91,6 +138,7 @@ def peak_flops(context: Context) -> list[Check]:
     from forge_lm.errors import ForgeError
     from forge_lm.metrics.cpu_peak import known_cpu_peak
     from forge_lm.metrics.mfu import peak_with_source
+    from forge_lm.metrics.peak_dtypes import DTYPE_NAMES
     from forge_lm.train.device import autocast_dtype, resolve_device
 
     config = context.config
@@ -99,7 +147,7 @@ def peak_flops(context: Context) -> list[Check]:
     except ForgeError:
         return []
     dtype = autocast_dtype(config.train.precision, resolved)
-    what = f"{resolved.type} {'bf16' if dtype is not None else 'fp32'}"  # autocast_dtype: bf16 or None
+    what = f"{resolved.type} {DTYPE_NAMES.get(dtype, 'fp32')}"  # autocast_dtype: bf16, fp16 or None (fp32)
     configured = config.metrics.peak_flops
     try:
         if resolved.type == "cpu" and configured is None:
