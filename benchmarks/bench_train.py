@@ -284,11 +284,17 @@ class ForgeSide:
                 lr = optimizer.param_groups[0]["lr"]
                 local_loss, norm, reports = compute_gradients(self.parts, self.batches, config)
                 step_loss, finite, _ = agree_on_step(local_loss, norm, False, self.parts.dims)
+                scaler = self.parts.loss_scaler  # precision = "fp16": an overflow skips the step, as in the loop
+                if not finite and scaler is not None and scaler.overflowed(step_loss.item(), norm.item()):
+                    optimizer.zero_grad(set_to_none=True)
+                    continue
                 if not finite:
                     raise RuntimeError("non-finite loss or gradient norm in the benchmark")
                 if self.first is None:  # read once, after the loop's own single read of the step
                     self.first = (step_loss.item(), norm.item())
                 optimizer.step()
+                if scaler is not None:
+                    scaler.stepped()
                 self.scheduler.step()
                 context.step += 1
                 context.tokens_seen += self.tokens_per_step
