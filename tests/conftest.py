@@ -133,6 +133,7 @@ SLOW_TESTS: tuple[str, ...] = (
     "tests/core/cli/test_train_commands.py",
     "tests/core/cli/test_log_interval.py",
     "tests/core/checkpoint/test_object_store.py::test_a_run_killed_after_a_save_resumes_from_the_bucket_bit_for_bit",
+    "tests/core/checkpoint/test_object_store.py::test_the_resume_rules_hold_for_a_run_whose_checkpoints_are_in_a_bucket",
     "tests/core/observability/test_watchdog.py",
     "tests/core/test_import_noise.py",
     "tests/examples/",

@@ -395,3 +395,19 @@ def test_a_run_killed_after_a_save_resumes_from_the_bucket_bit_for_bit(s3_env, t
     outputs += [bucket_files.top.read(key, 10**9).decode("utf-8", "replace") for key in _objects(s3_env["bucket"])]
     for secret in (SECRET, KEY_ID):
         assert not [text[:80] for text in outputs if secret in text]
+
+
+def test_the_resume_rules_hold_for_a_run_whose_checkpoints_are_in_a_bucket(s3_env, tmp_path, manager, capsys):
+    """The bucket's checkpoints make the run a resumed one, as a local checkpoints/ does: a
+    setting fixed on resume cannot change (exit 2), and a new run directory is not given another
+    run's bucket prefix (exit 2, nothing written)."""
+    url = f"s3://{s3_env['bucket']}/ruled"
+    run_dir = tmp_path / "ruled"
+    overrides = [*TINY_MODEL, f"--train.output_dir={run_dir}", f"--checkpoint.dir={url}", "--train.max_steps=2"]
+    assert train(load_config(_run_config(tmp_path), overrides, manager.registry), manager).status == "completed"
+    capsys.readouterr()
+    assert main(["train", str(run_dir / "config.toml"), "--model.dim=64", "--model.n_heads=8"]) == 2
+    assert "holds a run with other settings for model.dim" in capsys.readouterr().err
+
+    err = _bad_start(tmp_path, [f"--checkpoint.dir={url}"], capsys)
+    assert f"[checkpoint] dir: '{url}' holds checkpoints, but '{tmp_path / 'run'}' holds no run they belong to" in err

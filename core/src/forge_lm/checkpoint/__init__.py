@@ -25,7 +25,7 @@ from forge_lm.checkpoint._errors import CheckpointPlaceError, CheckpointSaveErro
 from forge_lm.checkpoint._layout import CHECKPOINTS, RUN_ID_FILE, SAVE_IN_PROGRESS, read_run_id, step_of
 from forge_lm.checkpoint._manager import CheckpointManager, latest_checkpoint
 from forge_lm.checkpoint._safe import DamagedCheckpointError, UnsafeCheckpointError
-from forge_lm.checkpoint._store import check_location
+from forge_lm.checkpoint._store import check_location, holds_checkpoints
 
 __all__ = [
     "CHECKPOINTS",
@@ -38,6 +38,7 @@ __all__ = [
     "NonFiniteWeights",
     "UnsafeCheckpointError",
     "check_location",
+    "holds_checkpoints",
     "latest_checkpoint",
     "read_run_id",
     "step_of",

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from forge_lm.checkpoint._layout import CHECKPOINTS
+from forge_lm.checkpoint._layout import CHECKPOINTS, LATEST, STEP_DIR
 from forge_lm.checkpoint._local_store import LocalStore
 
 
@@ -37,3 +37,9 @@ def check_location(location: str | None) -> None:
     here: the run directory's own checks cover it."""
     if location:
         open_store(Path("."), location).check_reachable()
+
+
+def holds_checkpoints(location: str) -> bool:
+    """Whether the object store at ``location`` holds a checkpoint, a save of one or ``latest``
+    (what makes a run directory's own ``checkpoints/`` count as checkpointed)."""
+    return any(name == LATEST or STEP_DIR.fullmatch(name) for name in open_store(Path("."), location).names())

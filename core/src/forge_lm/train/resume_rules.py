@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from forge_lm.checkpoint import holds_checkpoints
 from forge_lm.checkpoint._layout import CHECKPOINTS, LATEST, RUN_ID_FILE, read_run_id, step_of
 from forge_lm.config import ForgeConfig, read_toml, structure_config, to_data, to_toml
 from forge_lm.errors import ConfigError, ForgeError
@@ -65,8 +66,17 @@ def prepare(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> tuple
             f"cannot read '{checkpoints}': {exc.strerror}. Give this user access to the run directory "
             f"(chmod -R u+rwX '{run_dir}') or choose another train.output_dir."
         ) from None
+    # Checkpoints on an object store ([checkpoint] dir) count as the run's own checkpoints/ would.
+    stored = config.checkpoint.dir is not None and holds_checkpoints(config.checkpoint.dir)
+    checkpointed = checkpointed or stored
     config_file = run_dir / CONFIG_FILE
     if not lexists(config_file):
+        if stored:
+            raise ConfigError(
+                f"[checkpoint] dir: '{config.checkpoint.dir}' holds checkpoints, but '{run_dir}' holds no run they "
+                f"belong to (no {CONFIG_FILE}). Resume with the run directory that wrote them, or give this run a "
+                "[checkpoint] dir of its own."
+            )
         if checkpointed:
             raise ConfigError(
                 f"[train] output_dir: '{run_dir}' holds checkpoints but no {CONFIG_FILE}, so whether this config "
