@@ -24,6 +24,15 @@ The sides of each model, each built, measured and freed in turn (never two resid
   causal attention, which lets SDPA use its flash kernel): the mask's cost;
 - ``forge compile`` (with ``--compile``): Forge's step with ``train.compile = true`` (the
   warm-up round compiles: a minute or two per model).
+- precision and memory (dense only, issue 31): ``forge fp16`` (``[train] precision = "fp16"``,
+  float16 autocast with the dynamic loss scale), ``forge activation_offload`` (``[train]
+  activation_offload``: saved activations in pinned host memory) and ``forge cpu_offload``
+  (``[distributed] cpu_offload``: FSDP2's shards, gradients and optimizer state on the host). Their
+  peak memory against ``forge``'s is what offloading saves on the device, their ``steps_per_s``
+  what it costs. A side Forge refuses in this one process is not run and its row says why
+  (``skipped``, the refusal's message): both offloads on a CPU (nothing to offload to, so in a
+  smoke run), and ``cpu_offload`` on the GPU too, since it needs FSDP2 sharding over 2 or more
+  ranks (a ``torchrun`` launch this script does not make).
 
 Each side runs ``--warmup`` then ``--rounds`` blocks of ``--steps`` steps; its figure is the
 median tokens/s, with the ratio to ``plain``, MFU (``forge_lm.model.flops`` FLOPs per token times
@@ -36,8 +45,8 @@ mean the same work). A side that fails is recorded with its error and the others
 ``--output DIR`` writes ``DIR/gpu.json`` (the record ``results/gpu.json`` holds) and ``DIR/gpu.md``
 (its table), rewritten after every side so that a session cut short keeps what it measured.
 Needs CUDA: without it the script refuses (exit 2). ``--smoke`` runs the same code with tiny
-models on the CPU in seconds (bf16 autocast, grouped GEMM experts, MFU against the table's
-H200 entry) to check the script; it never writes ``results/``.
+models on the CPU in seconds (bf16 autocast, grouped GEMM experts, the fp16 side, MFU against
+the table's H200 entry) to check the script; it never writes ``results/``.
 
 Run:  .venv/bin/python benchmarks/bench_gpu.py --output DIR [--rounds 5 --steps 10] [--no-moe] [--compile]
 """
@@ -65,6 +74,8 @@ from torch import nn
 
 from forge_lm.config import load_config
 from forge_lm.data.loader import BatchLoader
+from forge_lm.distributed.mesh import ParallelDims
+from forge_lm.distributed.offload import check_offload
 from forge_lm.errors import ConfigError
 from forge_lm.metrics.gpu_peaks import gpu_peak_with_source
 from forge_lm.model import build_model
@@ -100,6 +111,12 @@ SMOKE = [  # --smoke: the same code paths (bf16 autocast, grouped GEMM experts),
     "--train.batch_size=2",
     "--train.precision=bf16",
 ]
+# Precision and memory: Forge's step on the dense model with one setting changed (issue 31).
+VARIANTS = {
+    "forge fp16": ["--train.precision=fp16"],
+    "forge activation_offload": ["--train.activation_offload=true"],
+    "forge cpu_offload": ["--distributed.cpu_offload=true"],
+}
 SMOKE_GPU = "NVIDIA H200"  # a CPU has no entry in the peak table: a smoke run computes MFU against this one's
 
 
@@ -281,12 +298,7 @@ def side_builders(
     """The sides of one model, as builders for :func:`_gpu_common.measure_in_turn`."""
 
     def forge(name: str, extra: list[str]) -> Callable[[], Any]:
-        def build_side() -> ForgeSide:
-            side = ForgeSide([*overrides, *extra], workdir / name, settings)
-            side.initial_model = None  # ForgeSide's copy for bench_train's plain loop; PlainLoop builds its own
-            return side
-
-        return build_side
+        return functools.partial(_forge_side, [*overrides, *extra], workdir / name, settings)
 
     builders: dict[str, Callable[[], Any]] = {
         "forge": forge(f"{tag}-forge", []),
@@ -301,9 +313,39 @@ def side_builders(
     return builders
 
 
+def variant_builders(
+    tag: str, overrides: list[str], settings: PluginSettings, workdir: Path
+) -> tuple[dict[str, Callable[[], Any]], dict[str, str]]:
+    """The precision and memory sides of the dense model (:data:`VARIANTS`), as builders, and the
+    sides Forge refuses in one process on the overrides' device, each with the refusal's message."""
+    registry = PluginManager(settings).registry
+    builders: dict[str, Callable[[], Any]] = {}
+    skipped: dict[str, str] = {}
+    for name, extra in VARIANTS.items():
+        config = load_config(None, [*overrides, *extra, f"--train.output_dir={workdir}"], registry)
+        try:  # the check forge train makes, for this script's one process
+            check_offload(config, torch.device(config.train.device), ParallelDims())
+        except ConfigError as refused:
+            skipped[name] = str(refused)
+            continue
+        builders[name] = functools.partial(_forge_side, [*overrides, *extra], workdir / f"{tag}-{name}", settings)
+    return builders, skipped
+
+
+def _forge_side(overrides: list[str], workdir: Path, settings: PluginSettings) -> ForgeSide:
+    side = ForgeSide(overrides, workdir, settings)
+    side.initial_model = None  # ForgeSide's copy for bench_train's plain loop; PlainLoop builds its own
+    return side
+
+
 def rows_for(
-    label: str, info: dict[str, Any], results: dict[str, SideResult], peaks: dict[str, float]
+    label: str,
+    info: dict[str, Any],
+    results: dict[str, SideResult],
+    peaks: dict[str, float],
+    skipped: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
+    """One row per side measured, then one per side ``skipped`` (its reason, no numbers)."""
     plain = results.get("plain")
     plain_rate = plain.tokens_per_s if plain else None
     rows = []
@@ -313,6 +355,7 @@ def rows_for(
             "model": label,
             "side": name,
             "tokens_per_s": rate,
+            "steps_per_s": rate / info["tokens_per_step"] if rate else None,
             "x_plain": rate / plain_rate if rate and plain_rate else None,
             "mfu_table_peak": info["flops_per_token"] * rate / peaks["table"] if rate else None,
             "mfu_measured_peak": info["flops_per_token"] * rate / peaks["measured"] if rate else None,
@@ -326,6 +369,8 @@ def rows_for(
         if result.error:
             row["error"] = result.error
         rows.append(row)
+    for name, reason in (skipped or {}).items():
+        rows.append({"model": label, "side": name, "tokens_per_s": None, "steps_per_s": None, "skipped": reason})
     return rows
 
 
@@ -398,12 +443,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{info['tokens_per_step']} tokens per step, {info['flops_per_token'] / 1e9:.3f} GFLOP per token",
                 flush=True,
             )
-            builders = side_builders(
-                f"m{index}", overrides, settings, workdir, moe=label.startswith("MoE"), compile_side=args.compile
-            )
+            moe = label.startswith("MoE")
+            builders = side_builders(f"m{index}", overrides, settings, workdir, moe=moe, compile_side=args.compile)
+            skipped: dict[str, str] = {}
+            if not moe:  # fp16 and offloading, against the forge side's memory and speed
+                variants, skipped = variant_builders(f"m{index}", overrides, settings, workdir)
+                builders.update(variants)
+                for name, reason in skipped.items():
+                    print(f"  {name}: skipped: {reason}", flush=True)
             # After every side, what is measured so far goes to --output: a session cut short keeps it.
             so_far = make_record("gpu", command, list(rows), notes + " (partial)", tables=tables)
-            write = functools.partial(_write_partial, args.output, so_far, label, info, peaks)
+            write = functools.partial(_write_partial, args.output, so_far, label, info, peaks, skipped)
             results = measure_in_turn(
                 builders,
                 rounds=args.rounds,
@@ -412,11 +462,14 @@ def main(argv: list[str] | None = None) -> int:
                 device=device,
                 after_each=write if args.output is not None else None,
             )
-            rows += rows_for(label, info, results, peaks)
+            rows += rows_for(label, info, results, peaks, skipped)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
     for row in rows:
+        if "skipped" in row:
+            print(f"{row['model']:20s} {row['side']:14s} skipped (refused in one process on this device)", flush=True)
+            continue
         rate = f"{row['tokens_per_s']:10.0f} tok/s" if row["tokens_per_s"] else "    failed     "
         ratio = f"x{row['x_plain']:.3f} of plain" if row["x_plain"] else ""
         mfu = f"MFU {100 * row['mfu_table_peak']:.1f}% of table peak" if row["mfu_table_peak"] else ""
@@ -434,10 +487,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _write_partial(
     output: Path, record: dict[str, Any], label: str, info: dict[str, Any], peaks: dict[str, float],
-    results: dict[str, SideResult],
+    skipped: dict[str, str], results: dict[str, SideResult],
 ) -> None:  # fmt: skip
     """``record`` (the models measured before) with this model's sides so far, to ``output``."""
-    publish({**record, "rows": [*record["rows"], *rows_for(label, info, results, peaks)]}, output, save_results=False)
+    rows = [*record["rows"], *rows_for(label, info, results, peaks, skipped)]
+    publish({**record, "rows": rows}, output, save_results=False)
 
 
 def _notes(args: argparse.Namespace, gpu: str, peak_source: str, peaks: dict[str, float]) -> str:
@@ -456,6 +510,10 @@ def _notes(args: argparse.Namespace, gpu: str, peak_source: str, peaks: dict[str
         f"tokens/s, over {peaks['table'] / 1e12:.0f} TFLOP/s ({peak_source}; `mfu_table_peak`) or the best "
         f"measured torch.mm bf16 rate, {peaks['measured'] / 1e12:.3g} TFLOP/s (`mfu_measured_peak`). "
         "`peak_memory_gib`: torch.cuda.max_memory_allocated from the side's build to its end (null on a CPU). "
+        "Precision and memory (dense): `forge fp16` (precision = fp16, its MFU over the same peak: the table's "
+        "fp16 rate is its bf16 rate), `forge activation_offload` and `forge cpu_offload`, each forge with that one "
+        "setting; `steps_per_s` = tokens/s over tokens per step; a side Forge refuses in one process on this "
+        "device is `skipped` with the refusal (offloading on a CPU; cpu_offload without FSDP2 sharding). "
         "`first_step_loss`: equal for forge and plain when they did the same work."
     )
 

@@ -63,16 +63,20 @@ def test_the_smoke_run_writes_json_and_table_with_one_row_per_side(smoke):
     rows = smoke["record"]["rows"]
 
     sides = [(row["model"], row["side"]) for row in rows]
-    expected = [("dense (smoke)", "forge"), ("dense (smoke)", "plain"), ("dense (smoke)", "plain causal")]
+    dense = ["forge", "plain", "plain causal", "forge fp16", "forge activation_offload", "forge cpu_offload"]
+    expected = [("dense (smoke)", side) for side in dense]
     if HAS_MOE:
         expected += [("MoE (smoke)", "forge"), ("MoE (smoke)", "plain")]
     assert sides == expected
+    measured = [row for row in rows if "skipped" not in row]
     for row in rows:
+        assert f"| {row['model']} | {row['side']} | " in smoke["table"]
+    for row in measured:
         assert row["tokens_per_s"] > 0
+        assert row["steps_per_s"] == pytest.approx(row["tokens_per_s"] / row["tokens_per_step"], rel=1e-12)
         assert "peak_memory_gib" in row
         assert row["peak_memory_gib"] is None  # measured on CUDA only
         assert "error" not in row
-        assert f"| {row['model']} | {row['side']} | " in smoke["table"]
     assert smoke["record"]["benchmark"] == "gpu"
     assert smoke["record"]["command"] == f"python benchmarks/bench_gpu.py --smoke --output {smoke['done'].args[-1]}"
 
@@ -85,16 +89,47 @@ def test_the_smoke_run_records_nothing_in_results(smoke):
 def test_forge_and_plain_start_from_the_same_weights_and_batch(smoke):
     """Equal first-step losses: the same work on both sides (for MoE: the plain router and
     grouped-GEMM experts compute forge-moe's layer), near ln(512) for a fresh 512-token model."""
-    by_side = {(row["model"], row["side"]): row["first_step_loss"] for row in smoke["record"]["rows"]}
+    by_side = {(row["model"], row["side"]): row.get("first_step_loss") for row in smoke["record"]["rows"]}
     for model in ("dense (smoke)", "MoE (smoke)") if HAS_MOE else ("dense (smoke)",):
         assert by_side[(model, "plain")] == pytest.approx(by_side[(model, "forge")], rel=1e-3)
         assert by_side[(model, "forge")] == pytest.approx(math.log(512), abs=0.3)
+    # fp16 autocast with the loss scale: the bf16 side's first loss, within the two formats' rounding
+    assert by_side[("dense (smoke)", "forge fp16")] == pytest.approx(by_side[("dense (smoke)", "forge")], rel=1e-3)
+
+
+def test_on_the_cpu_the_offload_rows_say_forge_refuses_them_and_fp16_is_measured(smoke):
+    rows = {row["side"]: row for row in smoke["record"]["rows"] if row["model"] == "dense (smoke)"}
+    assert rows["forge fp16"]["tokens_per_s"] > 0
+    for side, setting in (("forge activation_offload", "[train]"), ("forge cpu_offload", "[distributed]")):
+        row = rows[side]
+        assert row["tokens_per_s"] is None
+        assert row["skipped"].startswith(f"{setting} {side.split()[1]} = true moves memory from a GPU to the host, ")
+        assert "there is nothing to offload to" in row["skipped"]
+        assert f"  {side}: skipped: " in smoke["done"].stdout
+
+
+def test_on_one_gpu_activation_offload_and_fp16_run_and_cpu_offload_is_skipped(bench, monkeypatch, tmp_path):
+    """Which sides a real run builds, with CUDA stood in for (nothing is built on it): FSDP2's
+    cpu_offload needs 2 or more sharding ranks, and this script is one process."""
+    gpu = bench("bench_gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    overrides = ["--train.device=cuda", *gpu.SMOKE, "--metrics.peak_flops=1e12"]
+
+    builders, skipped = gpu.variant_builders("d", overrides, PluginSettings.from_env(), tmp_path)
+
+    assert list(builders) == ["forge fp16", "forge activation_offload"]
+    assert list(skipped) == ["forge cpu_offload"]
+    assert skipped["forge cpu_offload"].startswith(
+        "[distributed] cpu_offload = true moves FSDP2's shards to host memory, and this layout does not shard"
+    )
+    assert [b.args[0][-1] for b in builders.values()] == ["--train.precision=fp16", "--train.activation_offload=true"]
 
 
 def test_the_smoke_run_takes_mfu_from_the_gpu_peak_table(smoke):
     """MFU = (6 N_active + 12 L d T) x tokens/s over the H200's bf16 entry of Forge's table."""
     peak = gpu_peak_flops("NVIDIA H200", "bf16")
-    for row in smoke["record"]["rows"]:
+    for row in (r for r in smoke["record"]["rows"] if "skipped" not in r):  # a skipped side has no numbers
         flops_per_token = 6 * row["active_params_b"] * 1e9 + 12 * 2 * 64 * 64  # 2 layers, dim 64, seq 64
         assert row["mfu_table_peak"] == pytest.approx(flops_per_token * row["tokens_per_s"] / peak, rel=1e-6)
     assert "989 TFLOP/s (GPU table: NVIDIA H200 SXM bf16" in smoke["record"]["notes"]
