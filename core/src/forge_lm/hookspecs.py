@@ -15,7 +15,10 @@ Registration hooks receive a ``register`` callback and call it once per componen
   component is built. Plugin modules must not import torch (or any heavy dependency) at
   import time, so factories import lazily; a string is the simplest way to do that.
 - ``config``: an attrs class holding the component's options (optional). Its fields are the
-  keys allowed in the component's config section, validated and typed by the core.
+  keys allowed in the component's config section, validated and typed by the core. Like the
+  factory it may be a ``"module:Class"`` string (plugin API 1.2), imported and checked when a
+  config selecting the component is validated or it is built, so that listing plugins imports
+  no options module.
 - ``description``: one line, shown by ``forge list-plugins``.
 
 The call signature of each category's factory is its contract; the registration hooks below

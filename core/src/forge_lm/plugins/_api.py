@@ -5,10 +5,11 @@ from __future__ import annotations
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-PLUGIN_API_VERSION = "1.1"
+PLUGIN_API_VERSION = "1.2"
 """Bumped in its major part when a hook or a component contract changes incompatibly, in its minor
 part when one is added. 1.1: ``forge_lm_register_commands``; the protocols of
-:mod:`forge_lm.components` that replace attribute probes; transform slots named by role."""
+:mod:`forge_lm.components` that replace attribute probes; transform slots named by role. 1.2: an
+options class named by its import path (``register(..., config="module:Class")``), imported on use."""
 
 API_ATTRIBUTE = "FORGE_LM_PLUGIN_API"
 """Module attribute in which a plugin declares the API range it supports, e.g. ``">=1,<2"``."""

@@ -9,13 +9,9 @@ breaks the CLI; using one of its components later raises a :class:`PluginError`.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import inspect
-import json
-import types
-import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +25,14 @@ from forge_lm.plugins._api import API_ATTRIBUTE, api_incompatibility
 from forge_lm.plugins._calls import PluginHookFailed, call_each, checked_metrics, checkpoint_problem, describe, warn
 from forge_lm.plugins._categories import CATEGORIES, registration_hook, singular
 from forge_lm.plugins._commands import PluginCommand, make_command
-from forge_lm.plugins._model import Component, PluginInfo, PluginStatus, check_component_name
+from forge_lm.plugins._model import (
+    Component,
+    PluginInfo,
+    PluginStatus,
+    check_component_name,
+    is_import_path,
+    options_class_problem,
+)
 from forge_lm.plugins._registry import Registry
 from forge_lm.plugins._settings import PluginSettings
 
@@ -310,6 +313,9 @@ class PluginManager:
         ]
 
     def manifest_hash(self) -> str:
+        import hashlib  # here, with json: listing plugins needs neither
+        import json
+
         blob = json.dumps(self.manifest(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()
 
@@ -446,41 +452,24 @@ def _make_component(
         raise _PluginFailure(str(exc)) from exc
     what = f"{singular(category)} '{name}'"
     if isinstance(factory, str):
-        module, sep, attribute = factory.partition(":")
-        if not (module and sep and attribute):
+        if not is_import_path(factory):
             raise _PluginFailure(f"{what}: factory string {factory!r} must look like 'package.module:function'")
     elif not callable(factory):
         raise _PluginFailure(f"{what}: factory must be callable or a 'module:function' string, got {factory!r}")
     if config is None:
         config = NoOptions
-    if not (isinstance(config, type) and attrs.has(config)):
-        raise _PluginFailure(f"{what}: config must be an attrs class, got {config!r}")
-    _check_optional_defaults(what, config)
+    if isinstance(config, str):
+        # Named by its import path: imported and checked on first use (Component.options_class),
+        # so that listing plugins imports no options module.
+        if not is_import_path(config):
+            raise _PluginFailure(f"{what}: config string {config!r} must look like 'package.module:Class'")
+    else:
+        problem = options_class_problem(config)
+        if problem is not None:
+            raise _PluginFailure(f"{what}: {problem}")
     if not isinstance(description, str) or not description.strip() or "\n" in description.strip():
         raise _PluginFailure(f"{what}: description must be one non-empty line")
     return Component(category, name, factory, config, description.strip(), info)
-
-
-def _check_optional_defaults(what: str, config: type) -> None:
-    """An option that may be None must default to None.
-
-    TOML has no null: a config file cannot set such an option to None, and a dumped config
-    omits None values, so a non-None default would silently come back on reload.
-    """
-    try:
-        fields = attrs.fields(attrs.resolve_types(config))
-    except Exception as exc:  # unresolvable annotations are the plugin's bug, reported as such
-        raise _PluginFailure(f"{what}: options class {config.__name__} has unresolvable type hints: {exc}") from exc
-    for field in fields:
-        optional = typing.get_origin(field.type) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
-            field.type
-        )
-        default = field.default.factory() if isinstance(field.default, attrs.Factory) else field.default
-        if optional and default is not None and default is not attrs.NOTHING:
-            raise _PluginFailure(
-                f"{what}: option '{field.name}' may be None but defaults to {default!r}; a TOML config cannot "
-                "write None, so default it to None (meaning 'derive it') or make it non-optional"
-            )
 
 
 def core_version() -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import importlib
 import re
+import types
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +14,6 @@ import attrs
 
 from forge_lm.errors import ForgeError, PluginError
 from forge_lm.plugins._categories import singular
-from forge_lm.plugins._contracts import contract_problem
 
 
 class PluginStatus(enum.StrEnum):
@@ -69,33 +70,95 @@ def check_component_name(name: object) -> str:
     return name
 
 
+def is_import_path(text: str) -> bool:
+    """Whether ``text`` looks like ``"package.module:attribute"``, as a lazily named factory or
+    options class must."""
+    module, sep, attribute = text.partition(":")
+    return bool(module and sep and attribute)
+
+
+def options_class_problem(config: object) -> str | None:
+    """What makes ``config`` unusable as a component's options class, or None.
+
+    It must be an attrs class, and an option that may be None must default to None: TOML has
+    no null, so a config file cannot set such an option to None, and a dumped config omits None
+    values, so a non-None default would silently come back on reload.
+    """
+    if not (isinstance(config, type) and attrs.has(config)):
+        return f"config must be an attrs class, got {config!r}"
+    try:
+        fields = attrs.fields(attrs.resolve_types(config))
+    except Exception as exc:  # noqa: BLE001 - unresolvable annotations are the plugin's bug, reported as such
+        return f"options class {config.__name__} has unresolvable type hints: {exc}"
+    for field in fields:
+        optional = typing.get_origin(field.type) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
+            field.type
+        )
+        default = field.default.factory() if isinstance(field.default, attrs.Factory) else field.default
+        if optional and default is not None and default is not attrs.NOTHING:
+            return (
+                f"option '{field.name}' may be None but defaults to {default!r}; a TOML config cannot "
+                "write None, so default it to None (meaning 'derive it') or make it non-optional"
+            )
+    return None
+
+
 @attrs.frozen
 class Component:
-    """A registered component: everything needed to validate its options and build it."""
+    """A registered component: everything needed to validate its options and build it.
+
+    The factory and the options class may each be given as a ``"module:attribute"`` string,
+    imported on first use: listing plugins then imports neither (nor what their modules
+    import). The third argument is the options class or its string, read back through
+    :attr:`options_class`.
+    """
 
     category: str
     name: str
     factory: Callable[..., Any] | str
-    options_class: type
+    options_ref: type | str = attrs.field(alias="options_class")
     description: str
     plugin: PluginInfo
+    _imported: dict[str, type] = attrs.field(factory=dict, init=False, eq=False, repr=False)
 
     @property
     def qualified_name(self) -> str:
         return f"{self.plugin.distribution}:{self.name}"
 
+    @property
+    def options_class(self) -> type:
+        """The options class, imported now if it was registered as ``"module:Class"`` and then
+        checked as ``register()`` checks a class it is given; a failure is a PluginError naming
+        the component, its plugin and the fix."""
+        if isinstance(self.options_ref, type):
+            return self.options_ref
+        if "options" not in self._imported:
+            found = self._import(self.options_ref, "configured", f"its options class '{self.options_ref}'")
+            problem = options_class_problem(found)
+            if problem is not None:
+                raise PluginError(
+                    f"{singular(self.category)} '{self.name}' from {self.plugin.label} cannot be configured: its "
+                    f"options class '{self.options_ref}' is unusable: {problem}. This is a bug in "
+                    f"{self.plugin.distribution} {self.plugin.version}: report it to its authors."
+                )
+            self._imported["options"] = found
+        return self._imported["options"]
+
     def load_factory(self) -> Callable[..., Any]:
         """The factory, importing it now if it was registered as ``"module:attribute"``."""
         if callable(self.factory):
             return self.factory
-        module_name, _, attribute = self.factory.partition(":")
+        return self._import(self.factory, "built", f"'{self.factory}'")
+
+    def _import(self, path: str, use: str, what: str) -> Any:
+        module_name, _, attribute = path.partition(":")
         try:
             return getattr(importlib.import_module(module_name), attribute)
         except Exception as exc:  # whatever the import raises, the fix is the same
             dist = self.plugin.distribution
             raise PluginError(
-                f"{singular(self.category)} '{self.name}' from {self.plugin.label} cannot be built: importing "
-                f"'{self.factory}' failed with {type(exc).__name__}: {exc}. Reinstall it with "
+                f"{singular(self.category)} '{self.name}' from {self.plugin.label} cannot be {use}: importing "
+                f"{what} failed with {type(exc).__name__}: {exc}. Reinstall it with "
                 f"its dependencies (pip install --force-reinstall {dist}) or uninstall it "
                 f"(pip uninstall {dist})."
             ) from exc
@@ -128,6 +191,9 @@ class Component:
                 f"{singular(self.category)} '{self.name}' from {self.plugin.label} could not be built: "
                 f"{describe(exc)}. {advice}."
             ) from exc
+        # Imported here: the contracts import forge_lm.components, which listing plugins never needs.
+        from forge_lm.plugins._contracts import contract_problem
+
         problem = contract_problem(self.category, built)
         if problem is not None:
             noun = singular(self.category)
