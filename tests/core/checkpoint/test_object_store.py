@@ -9,6 +9,7 @@ and the weights the saving model held."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pickle
 import signal
@@ -411,3 +412,81 @@ def test_the_resume_rules_hold_for_a_run_whose_checkpoints_are_in_a_bucket(s3_en
 
     err = _bad_start(tmp_path, [f"--checkpoint.dir={url}"], capsys)
     assert f"[checkpoint] dir: '{url}' holds checkpoints, but '{tmp_path / 'run'}' holds no run they belong to" in err
+
+
+# -- resharding on load: two FSDP2 ranks load a one-process checkpoint from the bucket ---------
+
+
+def _whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor of the model and the optimizer, whole (a collective under FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    def whole(tensor: torch.Tensor) -> torch.Tensor:
+        return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    tensors = {f"model.{k}": whole(v) for k, v in model_state.items()}
+    for name, state in optimizer_state["state"].items():
+        tensors.update({f"optimizer.{name}.{k}": whole(v) for k, v in state.items()})
+    return tensors
+
+
+def _built(config_file: Path, run_dir: Path, manager, *overrides: str):
+    """The run's parts as forge train builds them (under torchrun: joined to the process group)."""
+    from forge_lm.train.parts import build_parts
+
+    config = load_config(config_file, [*TINY_MODEL, f"--train.output_dir={run_dir}", *overrides], manager.registry)
+    return build_parts(config, manager)
+
+
+def test_two_sharded_ranks_load_a_one_process_checkpoint_from_the_bucket(s3_env, tmp_path, manager):
+    """Saved by one process, loaded by two FSDP2 ranks (dp_shard = 2): DCP reshards through the
+    fsspec reader, and every whole tensor, model and AdamW moments, equals the one saved."""
+    from forge_lm.testing.distributed import torchrun
+    from forge_lm.train.step import compute_gradients
+
+    url = f"s3://{s3_env['bucket']}/resharded"
+    config_file = _run_config(tmp_path)
+    parts = _built(config_file, tmp_path / "run", manager)
+    compute_gradients(parts, iter(parts.train_batches), load_config(config_file, list(TINY_MODEL), manager.registry))
+    parts.optimizer.step()
+    CheckpointManager(tmp_path / "run", location=url).save(1, parts.model, parts.optimizer, {})
+    expected = _whole_state(parts.model, parts.optimizer)
+
+    result = torchrun([__file__, str(tmp_path), url], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[key], expected[key]) for key in expected)
+    sharded = json.loads((tmp_path / "sharded.json").read_text())
+    assert sharded == [True, True]  # each rank held half of a weight, not a copy of it
+
+
+def _reshard_worker(out: Path, url: str) -> int:
+    """Under torchrun: build the run with dp_shard = 2, load step 1 from ``url``; rank 0 writes
+    the whole tensors, and every rank whether its first weight is a shard."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from forge_lm.plugins import PluginManager, PluginSettings
+
+    manager = PluginManager(PluginSettings(autoload=False))
+    parts = _built(out / "run.toml", out / "run", manager, "--distributed.dp_shard=2")  # the test wrote run.toml
+    state = CheckpointManager(out / "run", location=url).load(parts.model, parts.optimizer)
+    assert state["step"] == 1
+    weight = next(p for p in parts.model.parameters() if p.ndim == 2)
+    sharded = isinstance(weight, DTensor) and weight.to_local().numel() < weight.numel()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sharded)
+    whole = _whole_state(parts.model, parts.optimizer)
+    if dist.get_rank() == 0:
+        torch.save(whole, out / "loaded.pt")
+        (out / "sharded.json").write_text(json.dumps(gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # the resharding test's ranks: torchrun runs this file
+    sys.exit(_reshard_worker(Path(sys.argv[1]), sys.argv[2]))
