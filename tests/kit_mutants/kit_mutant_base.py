@@ -79,7 +79,7 @@ def llama(options: Any, context: Any) -> nn.Module:
 
 
 def llama_options() -> type:
-    from forge_lm.default_plugins.models import LlamaOptions
+    from forge_lm.config import LlamaOptions
 
     return LlamaOptions
 

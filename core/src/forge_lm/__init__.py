@@ -8,7 +8,7 @@ trained model with :func:`load_pretrained`.
 
 from typing import Any
 
-from forge_lm._import_noise import quiet_known_import_noise
+from forge_lm._import_noise import quiet_when_torch_is_imported
 from forge_lm.errors import ConfigError, ForgeError, PluginError, UsageError
 from forge_lm.hookspecs import hookimpl
 from forge_lm.plugins import PLUGIN_API_VERSION, core_version
@@ -16,8 +16,8 @@ from forge_lm.plugins import PLUGIN_API_VERSION, core_version
 __version__ = core_version()
 
 # Any process that uses Forge (the CLI, a notebook calling load_pretrained) is spared torchao's
-# import-time lines; see forge_lm._import_noise.
-quiet_known_import_noise()
+# import-time lines, from the moment torch is imported; see forge_lm._import_noise.
+quiet_when_torch_is_imported()
 
 
 def load_pretrained(path: Any, device: Any = "cpu", **kwargs: Any) -> tuple[Any, Any]:

@@ -1,7 +1,9 @@
 """Built-in datasets and their options.
 
-Options classes live here (no torch, numpy or ``datasets`` import); each factory is named by
-a ``"module:function"`` string, imported only when the dataset is built.
+Options classes live here (no torch, numpy or ``datasets`` import), but for the mixture's, which
+name component tables and so the config schema (:mod:`forge_lm.default_plugins.mixture_options`,
+named by import path); each factory is named by a ``"module:function"`` string, imported only
+when the dataset is built.
 """
 
 from __future__ import annotations
@@ -10,9 +12,8 @@ from typing import Any
 
 import attrs
 
-from forge_lm.config import ComponentConfig, component_array
 from forge_lm.hookspecs import hookimpl
-from forge_lm.validators import FieldError, non_negative, one_of, positive
+from forge_lm.validators import FieldError, non_negative, one_of
 
 FORGE_LM_PLUGIN_API = ">=1,<2"
 
@@ -75,40 +76,6 @@ class HfTextOptions:
             )
 
 
-def _check_weights(key: str, weights: list[float], count: int) -> None:
-    if len(weights) != count:
-        raise FieldError(key, f"has {len(weights)} weights for {count} sources; give one per [[data.sources]]")
-    if any(weight < 0 for weight in weights) or not any(weight > 0 for weight in weights):
-        raise FieldError(key, f"weights must be >= 0 with at least one > 0, got {weights}")
-
-
-@attrs.define
-class MixturePhase:
-    until_sample: int = attrs.field(validator=positive)  # these weights hold for samples [previous, until)
-    weights: list[float] = attrs.field(factory=list)
-
-
-@attrs.define
-class MixtureOptions:
-    sources: list[ComponentConfig] = component_array(
-        "datasets", "The mixed datasets: [[data.sources]] tables, each with its own name and options."
-    )
-    weights: list[float] = attrs.field(factory=list)  # one per source; empty = equal
-    temperature: float = attrs.field(default=1.0, validator=positive)  # p ~ weight ** (1 / temperature)
-    phases: list[MixturePhase] = attrs.field(factory=list)  # earlier weights; `weights` apply after the last
-
-    def __attrs_post_init__(self) -> None:
-        if not self.sources:
-            raise FieldError("sources", "a mixture needs at least one source: add [[data.sources]] tables")
-        if self.weights:
-            _check_weights("weights", self.weights, len(self.sources))
-        ends = [phase.until_sample for phase in self.phases]
-        if ends != sorted(set(ends)):
-            raise FieldError("phases", f"until_sample must increase from phase to phase, got {ends}")
-        for index, phase in enumerate(self.phases):
-            _check_weights(f"phases[{index}].weights", phase.weights, len(self.sources))
-
-
 @hookimpl
 def forge_lm_register_datasets(register):
     register(
@@ -133,7 +100,7 @@ def forge_lm_register_datasets(register):
     register(
         "mixture",
         "forge_lm.data.mixture:build_mixture",
-        config=MixtureOptions,
+        config="forge_lm.default_plugins.mixture_options:MixtureOptions",
         description="Samples from several datasets by (temperature-scaled, phased) weights",
     )
     register(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import attrs
 
-from forge_lm.config import LlamaOptions
 from forge_lm.hookspecs import hookimpl
 from forge_lm.validators import positive
 
@@ -27,7 +26,7 @@ def forge_lm_register_models(register):
     register(
         "llama",
         "forge_lm.model.transformer:build_llama",
-        config=LlamaOptions,
+        config="forge_lm.config:LlamaOptions",  # by path: forge_lm.config is not cheap
         description="Llama-style decoder: RoPE, pluggable attention and feed-forward, RMSNorm, tied or untied head",
     )
 

@@ -35,7 +35,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from forge_lm.api import Linear, RMSNorm, apply_rope, check_flex_backward, eager_attention, flex_function
 
 if TYPE_CHECKING:
-    from forge_deepseek.plugin import MLAOptions
+    from forge_deepseek.options import MLAOptions
     from forge_lm.api import KVCache
     from forge_lm.components import AttentionSpec, Initializer
 
@@ -163,7 +163,7 @@ def cache_latent(
 
 
 def build_mla(options: MLAOptions, spec: AttentionSpec, layer_index: int) -> MultiHeadLatentAttention:
-    """Factory of the ``mla`` attention component (options: ``forge_deepseek.plugin.MLAOptions``;
+    """Factory of the ``mla`` attention component (options: ``forge_deepseek.options.MLAOptions``;
     ``spec`` a :class:`forge_lm.components.AttentionSpec`; ``n_kv_heads`` and ``qk_norm`` do not
     apply: every head has its own keys and values, expanded from one shared latent)."""
     return MultiHeadLatentAttention(

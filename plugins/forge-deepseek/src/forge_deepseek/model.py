@@ -142,7 +142,7 @@ class DeepseekV3(Transformer):
 def placed_feed_forward(options: Any, registry: Any) -> Any:
     """``[model.ffn]`` with forge-moe's MoE layers placed as DeepSeek-V3 does: every block from
     ``n_dense_layers`` on (and so every MTP block). Another feed-forward is left as it is."""
-    from forge_moe.plugin import MoEOptions
+    from forge_moe.options import MoEOptions
 
     chosen = options.ffn
     ffn_options = chosen.options
@@ -156,7 +156,7 @@ def placed_feed_forward(options: Any, registry: Any) -> Any:
 
 
 def build_deepseek_v3(options: Any, context: Any) -> DeepseekV3:
-    """Factory of the ``deepseek_v3`` family (options: ``forge_deepseek.plugin.DeepseekV3Options``).
+    """Factory of the ``deepseek_v3`` family (options: ``forge_deepseek.options.DeepseekV3Options``).
 
     Blocks ``0 .. n_layers - 1`` form the trunk; the attention and feed-forward layers of indices
     ``n_layers .. n_layers + mtp_depth - 1`` go to the MTP modules' blocks (MoE, as in DeepSeek-V3)."""

@@ -37,7 +37,8 @@ from torch import nn
 
 from forge_lm.api import ModelTransform, TransformContext, model_options
 from forge_lm.errors import ConfigError
-from forge_moe.plugin import MoEOptions, check_expert_parallel
+from forge_moe.options import MoEOptions
+from forge_moe.plugin import check_expert_parallel
 
 # -- the token exchange -------------------------------------------------------------------------
 # Functional collectives (``_c10d_functional.all_to_all_single``) rather than

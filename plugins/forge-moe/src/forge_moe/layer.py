@@ -391,7 +391,7 @@ def expert_hidden(options: Any, dim: int) -> int:
 
 
 def build_moe(options: Any, dim: int, layer_index: int) -> nn.Module:
-    """Factory of the ``moe`` feed-forward component (options: ``forge_moe.plugin.MoEOptions``)."""
+    """Factory of the ``moe`` feed-forward component (options: ``forge_moe.options.MoEOptions``)."""
     if not options.is_moe_layer(layer_index):
         return SwiGLU(dim, swiglu_hidden(dim, options.hidden_multiplier, options.multiple_of))
     return MoELayer(

@@ -1,7 +1,8 @@
 """Forge plugin module of forge-moe (entry point ``moe`` in the group ``forge_lm``).
 
 Kept free of heavy imports: Forge imports this module to list plugins and validate configs.
-It holds the options classes and the hook implementations; the torch code lives in
+It holds the hook implementations; the options classes live in :mod:`forge_moe.options` (named
+by import path, so that listing plugins does not import them), the torch code in
 :mod:`forge_moe.layer`, :mod:`forge_moe.experts`, :mod:`forge_moe.routers` and
 :mod:`forge_moe.hf`, and the expert-parallel transform in :mod:`forge_moe.expert_parallel`,
 imported only when a run builds a component, applies its transforms or converts a model.
@@ -12,65 +13,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import attrs
-
 from forge_lm import hookimpl
-from forge_lm.api import ComponentConfig, component, model_options
 from forge_lm.errors import ConfigError
-from forge_lm.validators import FieldError, non_negative, one_of, positive
 
-FORGE_LM_PLUGIN_API = ">=1.1,<2"  # 1.1: transform slots named by role
+FORGE_LM_PLUGIN_API = ">=1.2,<2"  # 1.1: transform slots named by role; 1.2: options classes named by path
 
 MOE_NAME = "moe"
-
-
-@attrs.define
-class MoEOptions:
-    """``[model.ffn]`` with ``name = "moe"``; the router's own options go in ``[model.ffn.router]``."""
-
-    n_experts: int = attrs.field(default=8, validator=positive)  # routed experts per MoE layer
-    top_k: int = attrs.field(default=2, validator=positive)  # experts each token visits
-    # Dense layers: hidden = multiple_of * ceil(hidden_multiplier * dim / multiple_of), as swiglu.
-    hidden_multiplier: float = attrs.field(default=8 / 3, validator=positive)
-    multiple_of: int = attrs.field(default=64, validator=positive)
-    # Expert hidden size: the same rule with hidden_multiplier * expert_multiplier (fine-grained
-    # experts: e.g. 0.25 with 4x the experts and 4x top_k keeps the active size).
-    expert_multiplier: float = attrs.field(default=1.0, validator=positive)
-    # Always-on experts, each of the expert hidden size (built as one SwiGLU N times as wide).
-    n_shared_experts: int = attrs.field(default=0, validator=non_negative)
-    # None: no token dropping. Else each expert takes at most ceil(capacity_factor * tokens * top_k / n_experts)
-    # assignments per forward in training (first choices first, then token order).
-    capacity_factor: float | None = attrs.field(default=None, validator=positive)
-    every_n_layers: int = attrs.field(default=1, validator=positive)  # MoE in every n-th block ...
-    first_moe_layer: int = attrs.field(default=0, validator=non_negative)  # ... starting at this block index
-    expert_kernel: str = attrs.field(default="auto", validator=one_of("auto", "grouped_mm", "padded", "loop"))
-    router: ComponentConfig = component(
-        "routers", "softmax_topk", "Router of the MoE layers; its options in [model.ffn.router]."
-    )
-
-    def __attrs_post_init__(self) -> None:
-        if self.top_k > self.n_experts:
-            raise FieldError("top_k", f"must be at most n_experts ({self.n_experts}), got {self.top_k}")
-
-    def is_moe_layer(self, layer_index: int) -> bool:
-        """Block ``i`` is MoE iff ``i >= first_moe_layer`` and ``(i - first_moe_layer) % every_n_layers == 0``."""
-        offset = layer_index - self.first_moe_layer
-        return offset >= 0 and offset % self.every_n_layers == 0
-
-
-@attrs.define
-class SoftmaxTopKOptions:
-    balance_loss_weight: float = attrs.field(default=0.01, validator=non_negative)  # Switch E * sum_i f_i * P_i
-    z_loss_weight: float = attrs.field(default=0.0, validator=non_negative)  # mean logsumexp(logits)^2
-    renormalize: bool = True  # combine weights: chosen probabilities / their sum (Mixtral); false: raw softmax
-
-
-@attrs.define
-class SigmoidTopKOptions:
-    # Per optimizer step: bias += rate * sign(mean load - load), from the step's assignment counts.
-    bias_update_rate: float = attrs.field(default=1e-3, validator=non_negative)
-    sequence_balance_loss_weight: float = attrs.field(default=0.0, validator=non_negative)  # DeepSeek-V3 alpha
-    z_loss_weight: float = attrs.field(default=0.0, validator=non_negative)
 
 
 @hookimpl
@@ -78,7 +26,7 @@ def forge_lm_register_feed_forwards(register):
     register(
         MOE_NAME,
         "forge_moe.layer:build_moe",
-        config=MoEOptions,
+        config="forge_moe.options:MoEOptions",
         description="Mixture of SwiGLU experts every n-th layer (router, shared experts, capacity); SwiGLU elsewhere",
     )
 
@@ -88,13 +36,13 @@ def forge_lm_register_routers(register):
     register(
         "softmax_topk",
         "forge_moe.routers:build_softmax_topk",
-        config=SoftmaxTopKOptions,
+        config="forge_moe.options:SoftmaxTopKOptions",
         description="Softmax top-k, renormalised weights, Switch balance loss (Mixtral)",
     )
     register(
         "sigmoid_topk",
         "forge_moe.routers:build_sigmoid_topk",
-        config=SigmoidTopKOptions,
+        config="forge_moe.options:SigmoidTopKOptions",
         description="Sigmoid top-k with a no-gradient balancing bias (DeepSeek-V3), optional sequence balance loss",
     )
 
@@ -115,6 +63,9 @@ def forge_lm_register_model_transforms(register):
 
 @hookimpl
 def forge_lm_configure(config):
+    from forge_lm.api import model_options
+    from forge_moe.options import MoEOptions  # a config is loaded: its schema is imported already
+
     model = model_options(config)
     ffn = _selected_ffn(config)
     if ffn is not None and isinstance(ffn.options, MoEOptions) and ffn.options.first_moe_layer >= model.n_layers:
@@ -133,6 +84,8 @@ def check_router(config: Any) -> None:
     token: the layer's output carries no gradient to the router, so only a router loss can
     train it (a z-loss only pulls the logits towards 0, so it does not count).
     """
+    from forge_moe.options import MoEOptions, SigmoidTopKOptions, SoftmaxTopKOptions
+
     ffn = _selected_ffn(config)
     if ffn is None or not isinstance(ffn.options, MoEOptions) or ffn.options.top_k != 1:
         return
@@ -159,6 +112,8 @@ def check_expert_parallel(config: Any) -> None:
     ep = config.distributed.ep
     if ep == 1:
         return
+    from forge_moe.options import MoEOptions
+
     ffn = _selected_ffn(config)
     if ffn is None or not isinstance(ffn.options, MoEOptions):
         chosen = f"[model.ffn] name = '{ffn.name}'" if ffn is not None else f"[model] name = '{config.model.name}'"
@@ -175,6 +130,8 @@ def check_expert_parallel(config: Any) -> None:
 
 def _selected_ffn(config: Any) -> Any:
     """``[model.ffn]`` of the run's model family, or None for a family without one."""
+    from forge_lm.api import model_options
+
     return getattr(model_options(config), "ffn", None)
 
 
