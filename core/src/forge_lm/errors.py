@@ -8,7 +8,6 @@ a plugin.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
 
 USAGE_EXIT_CODE = 2
@@ -38,6 +37,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     Close spellings first; failing that, the one choice that starts with ``word`` (``metric``
     for ``metrics_backends``), which plain similarity misses for short words.
     """
+    import difflib  # here: only a mistake needs it, and forge list-plugins is kept from importing it
+
     choices = list(choices)
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
     if not close and len(word) >= 3:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from forge_lm.config import ComponentConfig, ForgeConfig
-from forge_lm.default_plugins.feed_forwards import SwiGLUOptions
-from forge_lm.default_plugins.metrics import ConsoleOptions, JsonlOptions
-from forge_lm.default_plugins.optimizer_options import AdamWOptions
+from forge_lm.default_plugins.options.feed_forwards import SwiGLUOptions
+from forge_lm.default_plugins.options.metrics import ConsoleOptions, JsonlOptions
+from forge_lm.default_plugins.options.optimizers import AdamWOptions
 from forge_lm.errors import ConfigError
 from forge_lm.plugins import NoOptions, PluginManager, PluginSettings, PluginStatus, core_version
 from forge_lm.validators import non_negative, one_of

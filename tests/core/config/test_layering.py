@@ -19,12 +19,12 @@ from forge_lm.config import (
     merge,
     parse_overrides,
 )
-from forge_lm.default_plugins.datasets import PythonStdlibOptions
-from forge_lm.default_plugins.feed_forwards import SwiGLUOptions
-from forge_lm.default_plugins.losses import CrossEntropyOptions
-from forge_lm.default_plugins.metrics import ConsoleOptions, JsonlOptions
-from forge_lm.default_plugins.optimizer_options import AdamWOptions
-from forge_lm.default_plugins.scheduler_options import ConstantOptions, CosineOptions
+from forge_lm.default_plugins.options.datasets import PythonStdlibOptions
+from forge_lm.default_plugins.options.feed_forwards import SwiGLUOptions
+from forge_lm.default_plugins.options.losses import CrossEntropyOptions
+from forge_lm.default_plugins.options.metrics import ConsoleOptions, JsonlOptions
+from forge_lm.default_plugins.options.optimizers import AdamWOptions
+from forge_lm.default_plugins.options.schedulers import ConstantOptions, CosineOptions
 from forge_lm.plugins import NoOptions
 
 # The resolved default feed-forward layer: a schema default leaves its options unset (None).

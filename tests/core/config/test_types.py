@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from forge_lm.config import CliValue, ComponentConfig, converter
-from forge_lm.default_plugins.metrics import JsonlOptions
+from forge_lm.default_plugins.options.metrics import JsonlOptions
 
 # -- overrides: good values -------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from forge_lm.components import MetricsContext
-from forge_lm.default_plugins.metrics import JsonlOptions
+from forge_lm.default_plugins.options.metrics import JsonlOptions
 from forge_lm.metrics.jsonl import build_jsonl, last_logged, read_metrics
 
 

@@ -109,7 +109,7 @@ def trained_tokenizer(tmp_path_factory) -> Path:
 
 
 def test_hf_tokenizer_is_copied_as_it_is_and_names_its_end_of_text_token(trained_tokenizer, tmp_path):
-    from forge_lm.default_plugins.tokenizers import HfTokenizerOptions
+    from forge_lm.default_plugins.options.tokenizers import HfTokenizerOptions
 
     forge = build_hf_tokenizer(HfTokenizerOptions(path=str(trained_tokenizer)))
     assert save_hf_tokenizer(forge, tmp_path, 128)[0] == "tokenizer.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forge_lm.default_plugins.feed_forwards import SwiGLUOptions
+from forge_lm.default_plugins.options.feed_forwards import SwiGLUOptions
 from forge_lm.model.init import initialize
 from forge_lm.model.swiglu import SwiGLU, build_swiglu, swiglu_hidden
 

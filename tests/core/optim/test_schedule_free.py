@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from forge_lm.default_plugins.scheduler_options import ConstantOptions
+from forge_lm.default_plugins.options.schedulers import ConstantOptions
 from forge_lm.schedulers.lambdas import build_constant
 from forge_lm.testing._tiny import plain_round_trip
 

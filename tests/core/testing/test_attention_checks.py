@@ -12,7 +12,7 @@ from torch import nn
 
 from forge_lm import hookimpl
 from forge_lm.components import AttentionSpec
-from forge_lm.default_plugins.models import SlidingWindowOptions
+from forge_lm.default_plugins.options.models import SlidingWindowOptions
 from forge_lm.model.attention import Attention, SlidingWindowAttention, attention_mask, build_gqa
 from forge_lm.model.init import initialize
 from forge_lm.model.rope import rope_tables

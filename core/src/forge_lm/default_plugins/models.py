@@ -8,17 +8,9 @@ query seeing only the ``window`` most recent keys (Mistral, Gemma's local layers
 
 from __future__ import annotations
 
-import attrs
-
 from forge_lm.hookspecs import hookimpl
-from forge_lm.validators import positive
 
 FORGE_LM_PLUGIN_API = ">=1,<2"
-
-
-@attrs.define
-class SlidingWindowOptions:
-    window: int = attrs.field(default=4096, validator=positive)  # keys a query sees, itself included
 
 
 @hookimpl
@@ -41,6 +33,6 @@ def forge_lm_register_attentions(register):
     register(
         "sliding_window",
         "forge_lm.model.attention:build_sliding_window",
-        config=SlidingWindowOptions,
+        config="forge_lm.default_plugins.options.models:SlidingWindowOptions",
         description="Grouped-query attention over the `window` most recent keys only (Mistral)",
     )

@@ -3,7 +3,7 @@
 Each one splits the model's parameters by :func:`forge_lm.optim.param_groups.weight_decay_groups`:
 weight matrices are decayed; biases, norm scales and (unless ``decay_embeddings``) embedding
 tables, including a head tied to one, are not. Their options classes are in
-:mod:`forge_lm.default_plugins.optimizer_options`, named by import path so that listing plugins
+:mod:`forge_lm.default_plugins.options.optimizers`, named by import path so that listing plugins
 does not import them.
 """
 
@@ -22,19 +22,19 @@ def forge_lm_register_optimizers(register):
     register(
         "adamw",
         "forge_lm.optim.adamw:build_adamw",
-        config="forge_lm.default_plugins.optimizer_options:AdamWOptions",
+        config="forge_lm.default_plugins.options.optimizers:AdamWOptions",
         description="AdamW (torch.optim.AdamW); weight decay on weight matrices only",
     )
     register(
         "lion",
         "forge_lm.optim.lion:build_lion",
-        config="forge_lm.default_plugins.optimizer_options:LionOptions",
+        config="forge_lm.default_plugins.options.optimizers:LionOptions",
         description="Lion (sign of interpolated momentum), decoupled weight decay on weight matrices only",
     )
     register(
         "schedule_free_adamw",
         "forge_lm.optim.schedule_free:build_schedule_free_adamw",
-        config="forge_lm.default_plugins.optimizer_options:ScheduleFreeAdamWOptions",
+        config="forge_lm.default_plugins.options.optimizers:ScheduleFreeAdamWOptions",
         description="Schedule-Free AdamW: no lr decay needed; has train()/eval() to swap in the averaged weights",
     )
 
@@ -57,7 +57,7 @@ def check_schedule_free(config: Any) -> None:
     warmup and a scheduler's warmup multiply (both scale the same ``lr``), so with both set
     the first updates are far smaller than either warmup intends.
     """
-    from forge_lm.default_plugins.optimizer_options import ScheduleFreeAdamWOptions  # a config is loaded: cheap
+    from forge_lm.default_plugins.options.optimizers import ScheduleFreeAdamWOptions  # a config is loaded: cheap
 
     optimizer, scheduler = getattr(config, "optimizer", None), getattr(config, "scheduler", None)
     if scheduler is None or not isinstance(getattr(optimizer, "options", None), ScheduleFreeAdamWOptions):

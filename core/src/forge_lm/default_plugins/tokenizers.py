@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import attrs
-
 from forge_lm.hookspecs import hookimpl
 
 FORGE_LM_PLUGIN_API = ">=1,<2"
-
-
-@attrs.define
-class HfTokenizerOptions:
-    path: str  # a local tokenizer.json (Hugging Face tokenizers format); required
-    # The token that ends a document; None: the eos_token of a tokenizer_config.json beside the
-    # file, else the first of </s>, <|endoftext|>, <|end_of_text|>, <eos> in the vocabulary.
-    eos_token: str | None = None
 
 
 @hookimpl
@@ -27,6 +17,6 @@ def forge_lm_register_tokenizers(register):
     register(
         "hf",
         "forge_lm.tokenizers.hf:build_hf_tokenizer",
-        config=HfTokenizerOptions,
+        config="forge_lm.default_plugins.options.tokenizers:HfTokenizerOptions",
         description="A local Hugging Face tokenizer.json (pip install forge-lm[hf])",
     )

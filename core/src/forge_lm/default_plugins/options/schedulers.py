@@ -1,7 +1,7 @@
 """Options of the built-in learning-rate schedules (:mod:`forge_lm.default_plugins.schedulers`).
 
-In their own module, named by import path at registration: they build on
-:mod:`forge_lm.components`, which listing plugins does not import.
+Named by import path at registration, so that listing plugins imports none of them, nor
+:mod:`forge_lm.components`, which they build on.
 """
 
 from __future__ import annotations
