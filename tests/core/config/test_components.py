@@ -7,6 +7,8 @@ components, each configured in its own ``[metrics.<backend>]`` table.
 
 from __future__ import annotations
 
+import dataclasses
+
 import attrs
 import pytest
 import torch
@@ -409,7 +411,7 @@ def test_a_selected_component_builds_itself_and_a_failing_factory_names_it(load)
     def refuses(options, model):
         raise ForgeError("set lr below 1")
 
-    broken = attrs.evolve(component, factory=refuses)
+    broken = dataclasses.replace(component, factory=refuses)
     with pytest.raises(ForgeError, match=r"^set lr below 1$") as caught:
         ComponentConfig("adamw", config.optimizer.options, broken).build(model)
     assert type(caught.value) is ForgeError

@@ -4,6 +4,8 @@ component, its plugin and distribution, not a failure later somewhere else."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import attrs
 import pytest
 import torch
@@ -64,6 +66,6 @@ def test_build_for_run_names_the_component_its_plugin_and_distribution():
         "optimizer 'mine' from plugin 'odd' (forge-odd 2.0) cannot be used: its factory returned None, not a "
         "torch.optim.Optimizer. This is a bug in forge-odd 2.0: report it to its authors, or choose another optimizer."
     )
-    evaluator = attrs.evolve(component, category="evaluators", factory=lambda options, context: Evaluator())
+    evaluator = dataclasses.replace(component, category="evaluators", factory=lambda options, context: Evaluator())
     assert isinstance(evaluator.build_for_run(NoOptions(), None), Evaluator)
     assert component.build(NoOptions(), None) is None  # build itself (the conformance kit's) does not check

@@ -43,7 +43,7 @@ def test_muon_trains_a_deepseek_v3_model_with_its_matrices_on_muon(manager, tmp_
 
 def test_float8_converts_mla_and_mtp_projections_and_the_model_still_trains(manager):
     from forge_float8.convert import convert
-    from forge_float8.plugin import Float8Options
+    from forge_float8.options import Float8Options
 
     config = load_config(DEBUG, ["--model.dim=64", "--model.n_layers=2"], manager.registry)
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from forge_float8.plugin import Float8Options
+from forge_float8.options import Float8Options
 from forge_lm.cli import _main
 from forge_lm.cli._main import main
 from forge_lm.config import load_config

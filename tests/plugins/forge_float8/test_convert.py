@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from forge_float8.convert import HEAD, conversion_plan, convert
-from forge_float8.plugin import Float8Options
+from forge_float8.options import Float8Options
 from forge_lm.config import load_config
 from forge_lm.distributed import ParallelDims, TransformContext, apply_model_transforms
 from forge_lm.errors import ConfigError

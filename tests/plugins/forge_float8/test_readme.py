@@ -10,7 +10,7 @@ import attrs
 import pytest
 import torch
 
-from forge_float8.plugin import Float8Options
+from forge_float8.options import Float8Options
 from forge_lm.config import load_config
 from forge_lm.distributed import ParallelDims, TransformContext, apply_model_transforms
 from forge_lm.model import build_model

@@ -15,7 +15,7 @@ from forge_lm.cli._main import build_parser, main
 from forge_lm.config import load_config
 from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.testing.markdown import code_block, code_blocks
-from forge_lm_eval.plugin import LmEvalOptions
+from forge_lm_eval.options import LmEvalOptions
 
 from .conftest import CHOICE, TASKS
 

@@ -25,7 +25,7 @@ from forge_lm.plugins import PluginManager, PluginSettings
 from forge_lm.testing import parametrize_with_checks
 from forge_prometheus import backend as backend_module
 from forge_prometheus.backend import PrometheusBackend, PrometheusBackendWarning, metric_name
-from forge_prometheus.plugin import PrometheusOptions
+from forge_prometheus.options import PrometheusOptions
 
 SCRAPED: list[tuple[int, dict[str, float]]] = []  # (step, what a scrape returned right after log(step))
 

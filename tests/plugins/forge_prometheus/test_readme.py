@@ -15,7 +15,7 @@ from forge_lm.config import load_config
 from forge_lm.errors import PluginError
 from forge_lm.testing.markdown import code_block, code_blocks
 from forge_prometheus.backend import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, metric_name
-from forge_prometheus.plugin import PrometheusOptions
+from forge_prometheus.options import PrometheusOptions
 
 README = Path(__file__).resolve().parents[3] / "plugins" / "forge-prometheus" / "README.md"
 TEXT = README.read_text(encoding="utf-8")

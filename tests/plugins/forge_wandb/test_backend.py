@@ -20,7 +20,7 @@ from forge_lm.testing import parametrize_with_checks
 from forge_wandb import backend as wandb_backend
 from forge_wandb import offline
 from forge_wandb.backend import WandbBackend, WandbBackendWarning
-from forge_wandb.plugin import WandbOptions
+from forge_wandb.options import WandbOptions
 
 MANIFEST = [{"name": "wandb", "distribution": "forge-wandb", "version": "0.1.0"}]
 

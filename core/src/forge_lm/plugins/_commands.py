@@ -7,11 +7,10 @@ anything wrong with it then is the plugin's failure, naming the plugin (exit 4).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 from typing import Any
-
-import attrs
 
 from forge_lm.errors import PluginError
 from forge_lm.plugins._calls import PluginHookFailed, describe
@@ -35,12 +34,12 @@ CORE_COMMANDS = (
 _COMMAND_NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, slots=True)  # no attrs: forge list-plugins does not import it
 class PluginCommand:
     """A command a plugin registered: its name, what implements it, its help line and plugin."""
 
     name: str
-    target: Any = attrs.field(repr=False)  # the command object, or "module:attribute"
+    target: Any = dataclasses.field(repr=False)  # the command object, or "module:attribute"
     description: str
     plugin: PluginInfo
 

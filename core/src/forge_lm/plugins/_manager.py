@@ -16,7 +16,6 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 import pluggy
 
 from forge_lm import hookspecs
@@ -58,9 +57,8 @@ BUILTIN_PLUGINS: dict[str, str] = {
 }
 
 
-@attrs.define
-class NoOptions:
-    """Options of a component that takes none."""
+NO_OPTIONS = "forge_lm.plugins._no_options:NoOptions"
+"""The options class of a component registered without one, named by import path like a plugin's."""
 
 
 class _HookManager(pluggy.PluginManager):
@@ -469,7 +467,7 @@ def _make_component(
     elif not callable(factory):
         raise _PluginFailure(f"{what}: factory must be callable or a 'module:function' string, got {factory!r}")
     if config is None:
-        config = NoOptions
+        config = NO_OPTIONS
     if isinstance(config, str):
         # Named by its import path: imported and checked on first use (Component.options_class),
         # so that listing plugins imports no options module.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib
 import re
@@ -9,8 +10,6 @@ import types
 import typing
 from collections.abc import Callable
 from typing import Any
-
-import attrs
 
 from forge_lm.errors import ForgeError, PluginError
 from forge_lm.plugins._categories import singular
@@ -23,7 +22,11 @@ class PluginStatus(enum.StrEnum):
     DISABLED = "disabled"  # not loaded: blocked, not allowed, or autoloading is off
 
 
-@attrs.define
+# The records below are dataclasses, not attrs classes as options are: attrs costs ``forge
+# list-plugins`` (which needs them) a tenth of its start-up, and it needs no options class.
+
+
+@dataclasses.dataclass(slots=True)
 class PluginInfo:
     """One plugin: an entry point in the ``forge_lm`` group, or one of the core's built-ins."""
 
@@ -35,8 +38,8 @@ class PluginInfo:
     status: PluginStatus = PluginStatus.OK
     reason: str | None = None
     api_range: str | None = None
-    components: dict[str, list[str]] = attrs.Factory(dict)
-    commands: list[str] = attrs.Factory(list)  # the forge subcommands it adds (forge_lm_register_commands)
+    components: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    commands: list[str] = dataclasses.field(default_factory=list)  # forge subcommands it adds (register_commands)
 
     @property
     def label(self) -> str:
@@ -84,6 +87,8 @@ def options_class_problem(config: object) -> str | None:
     no null, so a config file cannot set such an option to None, and a dumped config omits None
     values, so a non-None default would silently come back on reload.
     """
+    import attrs  # here: a class given directly imported it already, and listing plugins needs none
+
     if not (isinstance(config, type) and attrs.has(config)):
         return f"config must be an attrs class, got {config!r}"
     try:
@@ -103,23 +108,23 @@ def options_class_problem(config: object) -> str | None:
     return None
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, slots=True)
 class Component:
     """A registered component: everything needed to validate its options and build it.
 
     The factory and the options class may each be given as a ``"module:attribute"`` string,
     imported on first use: listing plugins then imports neither (nor what their modules
-    import). The third argument is the options class or its string, read back through
+    import). The fourth argument is the options class or its string, read back through
     :attr:`options_class`.
     """
 
     category: str
     name: str
     factory: Callable[..., Any] | str
-    options_ref: type | str = attrs.field(alias="options_class")
+    options_ref: type | str
     description: str
     plugin: PluginInfo
-    _imported: dict[str, type] = attrs.field(factory=dict, init=False, eq=False, repr=False)
+    _imported: dict[str, type] = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def qualified_name(self) -> str:

@@ -6,10 +6,9 @@ from the ``forge`` command line (which adds to or overrides the environment).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Mapping
-
-import attrs
 
 from forge_lm.errors import UsageError
 
@@ -25,7 +24,7 @@ def _names(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True, slots=True)  # no attrs: forge list-plugins does not import it
 class PluginSettings:
     """Which plugins to load.
 

@@ -23,7 +23,7 @@ import attrs
 import torch
 from torch import nn
 
-from forge_float8.plugin import Float8Options
+from forge_float8.options import Float8Options
 from forge_lm.api import Linear as ForgeLinear
 from forge_lm.api import ModelTransform, TransformContext, is_main_process
 from forge_lm.errors import ConfigError

@@ -10,38 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
-
 from forge_lm import hookimpl
 from forge_lm.errors import ConfigError
-from forge_lm.validators import FieldError, one_of
 
-FORGE_LM_PLUGIN_API = ">=1.1,<2"  # 1.1: transform slots named by role
+FORGE_LM_PLUGIN_API = ">=1.2,<2"  # 1.1: transform slots named by role; 1.2: options named by path
 
 NAME = "float8"
-# torchao's recipe names (torchao.float8.Float8LinearRecipeName), passed through unchanged.
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-
-
-def _patterns(instance: Any, attribute: Any, value: list[str]) -> None:
-    for pattern in value:
-        if not pattern.strip():
-            raise FieldError(attribute.name, "patterns must not be empty")
-
-
-@attrs.define
-class Float8Options:
-    """The keys of ``[transforms.float8]``; the plugin's README explains each."""
-
-    enabled: bool = False
-    recipe: str = attrs.field(default="tensorwise", validator=one_of(*RECIPES))
-    # fnmatch patterns of module names (as model.named_modules() gives them). Empty include:
-    # every Linear layer is a candidate. The output head and layers whose sizes float8
-    # matmuls cannot take are skipped whatever these say.
-    include: list[str] = attrs.field(factory=list, validator=_patterns)
-    exclude: list[str] = attrs.field(factory=list, validator=_patterns)
-    # FSDP2 gathers the weights already cast to float8 (half the bytes of bf16); tensorwise only.
-    fsdp_float8_all_gather: bool = False
 
 
 @hookimpl
@@ -49,16 +23,19 @@ def forge_lm_register_model_transforms(register):
     register(
         NAME,
         "forge_float8.convert:float8_transform",
-        config=Float8Options,
+        config="forge_float8.options:Float8Options",
         description="float8 matmuls in Linear layers with torchao ([transforms.float8] enabled = true)",
     )
 
 
-def float8_options(config: Any) -> Float8Options | None:
-    """This plugin's options in ``config`` when it has a ``[transforms.float8]`` table, else None.
+def float8_options(config: Any) -> Any:
+    """This plugin's options (a :class:`forge_float8.options.Float8Options`) in ``config`` when it
+    has a ``[transforms.float8]`` table, else None.
 
     Found by type, not by key: the table may be spelled ``[transforms."forge-float8:float8"]``.
     """
+    from forge_float8.options import Float8Options  # a config is loaded: cheap now
+
     for chosen in config.transforms.values():
         if isinstance(chosen.options, Float8Options):
             return chosen.options

@@ -7,43 +7,9 @@ imported only when a run builds the backend (``forge_prometheus.backend``).
 
 from __future__ import annotations
 
-import re
-from typing import Any
-
-import attrs
-
 from forge_lm import hookimpl
-from forge_lm.validators import FieldError, between
 
-FORGE_LM_PLUGIN_API = ">=1,<2"
-
-DEFAULT_PORT = 9464  # the port OpenTelemetry's Prometheus exporters use by convention
-_PREFIX = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-
-
-def _address(instance: Any, attribute: Any, value: str) -> None:
-    if not value or any(character.isspace() for character in value):
-        raise FieldError(
-            attribute.name, f"must be a host name or IP address without spaces, like '127.0.0.1', got {value!r}"
-        )
-
-
-def _prefix(instance: Any, attribute: Any, value: str) -> None:
-    if value and not _PREFIX.fullmatch(value):
-        raise FieldError(
-            attribute.name,
-            "must start with a letter or '_' and hold only letters, digits and '_' (a Prometheus metric name), "
-            f"or be empty, got {value!r}",
-        )
-
-
-@attrs.define
-class PrometheusOptions:
-    """The keys of ``[metrics.prometheus]``."""
-
-    port: int = attrs.field(default=DEFAULT_PORT, validator=between(0, 65535))  # 0: any free port, printed
-    addr: str = attrs.field(default="127.0.0.1", validator=_address)  # "0.0.0.0": reachable from other hosts
-    prefix: str = attrs.field(default="forge_", validator=_prefix)  # put before every metric name
+FORGE_LM_PLUGIN_API = ">=1.2,<2"  # 1.2: options classes named by import path
 
 
 @hookimpl
@@ -51,6 +17,6 @@ def forge_lm_register_metrics_backends(register):
     register(
         "prometheus",
         "forge_prometheus.backend:build_prometheus",
-        config=PrometheusOptions,
+        config="forge_prometheus.options:PrometheusOptions",
         description="Prometheus: serves the latest value of each metric over HTTP for scraping, on rank 0",
     )
