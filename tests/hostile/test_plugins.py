@@ -21,6 +21,7 @@ from _hostile import TINY, Case, Outcome, Workspace, case_params
 
 from forge_lm.cli._main import main
 from forge_lm.metrics.jsonl import read_metrics
+from forge_lm.plugins import PLUGIN_API_VERSION
 
 PLUGIN = r"plugin 'hostile' \(forge-hostile 1\.0\)"
 TRAIN = ("train", "{tiny}", "--train.max_steps=4", "--train.output_dir={run}")
@@ -664,7 +665,7 @@ CASES = [
         TRAIN,
         0,
         rf"forge: warning: {PLUGIN} is incompatible and not used by this run: supports plugin API >=2,<3 but this "
-        r"core provides 1\.0",
+        rf"core provides {re.escape(PLUGIN_API_VERSION)}",
         setup=plugin("@hookimpl\ndef forge_lm_step_end():\n    raise ValueError('must never run')\n", api='">=2,<3"'),
         check=completed,
     ),
