@@ -22,8 +22,8 @@ class PluginStatus(enum.StrEnum):
     DISABLED = "disabled"  # not loaded: blocked, not allowed, or autoloading is off
 
 
-# The records below are dataclasses, not attrs classes as options are: attrs costs ``forge
-# list-plugins`` (which needs them) a tenth of its start-up, and it needs no options class.
+# The records below are dataclasses, not attrs classes as options are: ``forge list-plugins``
+# needs them but no options class, and importing attrs would cost it a tenth of its start-up.
 
 
 @dataclasses.dataclass(slots=True)
