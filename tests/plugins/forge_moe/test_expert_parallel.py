@@ -148,11 +148,11 @@ def test_ep_passes_exactly_when_it_divides_n_experts(moe_manager, ep):
             moe_manager.configure(config)
 
 
-def test_transforms_sit_in_the_expert_parallel_slot_before_fsdp2(moe_manager):
+def test_transforms_sit_in_the_model_parallel_slot_before_fsdp2(moe_manager):
     names = [name for name, _ in ordered_transforms(moe_manager.registry)]
     assert names.index("expert_parallel") < names.index("moe_load_sync") < names.index("fsdp2")
     assert {t.slot for name, t in ordered_transforms(moe_manager.registry) if name.startswith(("expert", "moe"))} == {
-        "expert_parallel"
+        "model_parallel"
     }
     off = TransformContext(
         _config(moe_manager, "--model.ffn.name=moe"), ParallelDims(), None, torch.device("cpu"), None
