@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from forge_lm.metrics.measured_peak import remeasure_cpu_peak_with_source
 from forge_lm.metrics.memory import MemoryMetrics
 from forge_lm.metrics.mfu import is_measured, mfu
 from forge_lm.model.linear import kernel_in_use as linear_kernel_in_use
+from forge_lm.notices import warn
 from forge_lm.plugins import PluginManager
 from forge_lm.plugins._calls import PluginHookFailed
 from forge_lm.train.batch_ramp import BatchRamp
@@ -267,9 +267,9 @@ def _handle_bad_step(run: Run, loss: float, grad_norm: float, bad_steps: int) ->
     if policy.nan_policy == "rollback":
         if run.roll_back() is None:  # past the bad batch, not back to it
             raise NonFiniteLoss(f"{what}; resilience.nan_policy = 'rollback' but there is no checkpoint yet.")
-        _warn(f"{what}; rolled back to step {context.step} and skipping the bad batch")
+        warn(f"{what}; rolled back to step {context.step} and skipping the bad batch")
     else:
-        _warn(f"{what}; skipped the step (no optimizer or scheduler update)")
+        warn(f"{what}; skipped the step (no optimizer or scheduler update)")
 
 
 def _mfu(parts: Parts, tokens_per_sec: float) -> float:
@@ -278,7 +278,7 @@ def _mfu(parts: Parts, tokens_per_sec: float) -> float:
     which logs it, measures again once and uses the new peak from then on."""
     value = mfu(parts.flops_per_token, tokens_per_sec, parts.peak_flops)
     if value > 1.0 and parts.device.type == "cpu" and is_measured(parts.peak_source or "") and is_main_process():
-        _warn(f"MFU {value:.2f} > 1: the measured CPU peak ({parts.peak_source}) was too low; measuring it again")
+        warn(f"MFU {value:.2f} > 1: the measured CPU peak ({parts.peak_source}) was too low; measuring it again")
         peak, source = remeasure_cpu_peak_with_source(parts.dtype)
         parts.peak_flops, parts.peak_source = peak * parts.dims.world_size, f"re-{source}"
         value = mfu(parts.flops_per_token, tokens_per_sec, parts.peak_flops)
@@ -297,7 +297,3 @@ def _divides(interval: int, step: int) -> bool:
 
 def _divides(interval: int, step: int) -> bool:
     return bool(interval) and step % interval == 0
-
-
-def _warn(message: str) -> None:
-    print(f"forge: warning: {message}", file=sys.stderr, flush=True)

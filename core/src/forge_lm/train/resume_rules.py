@@ -19,7 +19,6 @@ run's checkpoints (:mod:`forge_lm.checkpoint`). A run made before run ids gets o
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -29,6 +28,7 @@ from forge_lm.checkpoint import holds_checkpoints
 from forge_lm.checkpoint._layout import CHECKPOINTS, LATEST, RUN_ID_FILE, read_run_id, step_of
 from forge_lm.config import ForgeConfig, read_toml, structure_config, to_data, to_toml
 from forge_lm.errors import ConfigError, ForgeError
+from forge_lm.notices import warn
 from forge_lm.plugins import PluginManager
 from forge_lm.run_links import write_text
 from forge_lm.train.run_lock import LOCK_FILE
@@ -101,7 +101,7 @@ def _write_run_id(run_dir: Path) -> None:
     if read_run_id(run_dir) is not None:
         return
     if lexists(run_dir / RUN_ID_FILE):
-        _warn(
+        warn(
             f"'{run_dir / RUN_ID_FILE}' does not hold a run id; it is replaced by a new one (checkpoints recording "
             "the old id are then another run's)"
         )
@@ -124,7 +124,7 @@ def _restart(run_dir: Path, config: ForgeConfig, manager: PluginManager) -> None
         changed = differences(to_data(stored), to_data(config))
         why = f"changed settings: {', '.join(changed)}" if changed else ""
     if why:
-        _warn(
+        warn(
             f"'{run_dir}' holds no checkpoint yet, so this run starts it afresh and replaces its {CONFIG_FILE} "
             f"and {MANIFEST_FILE} ({why})"
         )
@@ -155,7 +155,7 @@ def _check_resume(run_dir: Path, config: ForgeConfig, manager: PluginManager) ->
         )
     record = None
     if changed:
-        _warn(f"resuming '{run_dir}' with changed settings: {', '.join(changed)}")
+        warn(f"resuming '{run_dir}' with changed settings: {', '.join(changed)}")
         index = len(list(run_dir.glob("config.resume-*.toml"))) + 1
         record = run_dir / f"config.resume-{index}.toml"
         write_run_file(record, to_toml(config))
@@ -164,11 +164,11 @@ def _check_resume(run_dir: Path, config: ForgeConfig, manager: PluginManager) ->
         return record
     stored_manifest, problem = read_manifest(manifest_path)
     if problem:
-        _warn(f"resuming '{run_dir}': {problem}; it is replaced by this run's plugins")
+        warn(f"resuming '{run_dir}': {problem}; it is replaced by this run's plugins")
         write_run_file(manifest_path, manifest_text(manager))
         return record
     for difference in manifest_differences(loaded_entries(stored_manifest), manager.manifest()):
-        _warn(f"resuming '{run_dir}': {difference}")
+        warn(f"resuming '{run_dir}': {difference}")
     return record
 
 
@@ -225,7 +225,3 @@ def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
         keys = sorted(set(old) | set(new))
         return [d for key in keys for d in differences(old.get(key), new.get(key), f"{prefix}{key}.")]
     return [] if old == new else [prefix.rstrip(".")]
-
-
-def _warn(message: str) -> None:
-    print(f"forge: warning: {message}", file=sys.stderr, flush=True)

@@ -36,6 +36,7 @@ from forge_lm.distributed import is_main_process
 from forge_lm.distributed.compression import compressor_of
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.model.freezing import staged_parameters_trainable
+from forge_lm.notices import warn
 from forge_lm.plugins import PluginHookFailed, PluginManager, PluginStatus
 from forge_lm.train.resume_rules import CONFIG_FILE, FIXED_ON_RESUME, differences
 
@@ -353,4 +354,4 @@ def _check_optimizer_settings(state: dict[str, Any], config: Any) -> None:
 def _warn(message: str) -> None:
     """A warning about the run as a whole (the checkpoint every rank resumed): rank 0 says it."""
     if is_main_process():
-        print(f"forge: warning: {message}", file=sys.stderr, flush=True)
+        warn(message)
