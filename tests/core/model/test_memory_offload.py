@@ -141,5 +141,8 @@ def test_validation_of_an_offloading_config_for_a_gpu_machine_reports_both_share
     report = validation_report(config, manager.registry, SimulatedLaunch(world_size=8, device_memory_gib=16))
     assert " of device memory per rank (buffers " in report
     assert " of host memory per rank (weights " in report
+    one_gpu = validation_report(config, manager.registry, SimulatedLaunch(world_size=1, device_memory_gib=16))
+    assert " of host memory per rank (weights " in one_gpu  # FSDP2 over one rank offloads the whole model
+    unsharded = config_of(manager, "--train.device=cuda", "--distributed.cpu_offload=true", "--distributed.tp=2")
     with pytest.raises(ConfigError, match=r"^\[distributed\] cpu_offload = true moves FSDP2's shards to host memory"):
-        validation_report(config, manager.registry, SimulatedLaunch(world_size=1, device_memory_gib=16))
+        validation_report(unsharded, manager.registry, SimulatedLaunch(world_size=2, device_memory_gib=16))

@@ -7,7 +7,7 @@ replicated across groups. With bf16 precision the parameters are gathered and co
 bf16 and gradients reduced in fp32, while the sharded master weights stay fp32. With
 ``[distributed] cpu_offload`` every unit gets FSDP2's ``CPUOffloadPolicy``
 (:mod:`forge_lm.distributed.offload`): the shards, their gradients and the optimizer state live in
-host memory.
+host memory. A one-process run with ``cpu_offload`` runs FSDP2 too, over a mesh of its one rank.
 
 A submodule may set ``fsdp_mesh_dims`` (a tuple of mesh dimension names) to be sharded as its
 own unit over those dimensions, before its block: the MoE plugin shards expert weights, which
@@ -34,14 +34,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from forge_lm.components import OwnFSDPUnit
 from forge_lm.distributed.compression import build_compressor
-from forge_lm.distributed.offload import offload_policy
+from forge_lm.distributed.offload import fsdp_in_one_process, offload_policy
 from forge_lm.distributed.transforms import ModelTransform, TransformContext, transformer_blocks
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # [distributed] reduce_dtype
 
 
 def _enabled(context: TransformContext) -> bool:
-    return context.dims.shard_size > 1  # the data-parallel ranks, and under cp the ranks splitting sequences
+    if context.dims.shard_size > 1:  # the data-parallel ranks, and under cp the ranks splitting sequences
+        return True
+    # cpu_offload in one process: FSDP2 over the mesh of that one rank (forge_lm.distributed.offload)
+    return context.mesh is not None and fsdp_in_one_process(context.config, context.dims)
 
 
 def _apply(model: nn.Module, context: TransformContext) -> None:

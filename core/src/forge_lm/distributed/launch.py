@@ -4,7 +4,8 @@
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. A plain ``srun`` launch of one task per
 rank sets only SLURM's variables; they are translated, and the rendezvous address must then
 come from ``MASTER_ADDR``/``MASTER_PORT`` (the scripts in ``examples/slurm`` export them).
-A process with neither is a single-process run and joins no group.
+A process with neither is a single-process run and joins no group, unless it needs one of its
+own (:func:`init_one_rank_group`: FSDP2's ``cpu_offload`` on one GPU).
 """
 
 from __future__ import annotations
@@ -197,6 +198,30 @@ def init_distributed(launch: Launch, device: torch.device, timeout_s: float = 60
         raise LaunchIncomplete(_incomplete(launch, timeout_s, exc)) from None
     finally:
         notice.cancel()
+    _OWNED_GROUP = True
+    JOINED = True
+
+
+def init_one_rank_group(device: torch.device, timeout_s: float = 600.0) -> None:
+    """A process group of this process alone, for a one-process run that needs one: FSDP2 shards
+    over a device mesh, and ``[distributed] cpu_offload`` in one process is FSDP2 over a mesh of
+    one rank (as torchtitan runs it on one GPU). Its rendezvous is an in-memory store, so it
+    needs no address or port. A no-op when a group exists already (the caller's, which
+    :func:`shutdown_distributed` then leaves alone); the group made here is destroyed by it."""
+    global _OWNED_GROUP, JOINED
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":  # NCCL binds the group to one GPU: "cuda" alone means the current one
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend_for(device),
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
     _OWNED_GROUP = True
     JOINED = True
 

@@ -164,9 +164,11 @@ class ParallelDims:
         if problems:
             raise ConfigError("[distributed] " + "; ".join(problems) + ".")
 
-    def build_mesh(self, device_type: str) -> ForgeMesh | None:
-        """The world's device mesh (None for one process)."""
-        if not self.distributed:
+    def build_mesh(self, device_type: str, one_rank: bool = False) -> ForgeMesh | None:
+        """The world's device mesh: None for one process, unless ``one_rank`` asks for a mesh of
+        its one rank (every dimension 1), over which FSDP2 runs ``cpu_offload`` in one process
+        (the process group of :func:`forge_lm.distributed.launch.init_one_rank_group` must exist)."""
+        if not self.distributed and not one_rank:
             return None
         if self.cp > 1:  # check() allows cp only with dp_replicate = tp = pp = ep = 1
             shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)

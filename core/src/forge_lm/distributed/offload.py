@@ -20,10 +20,22 @@ nothing else of the block; with ``selective``, the operator outputs it keeps are
 own cache, outside those hooks, and stay on the device. Outside the blocks (the embedding, the
 final norm, the head and the loss) whatever autograd saves is offloaded too.
 
-Both need a CUDA device (on CPU there is nothing to offload to); ``cpu_offload`` also needs
-FSDP2 to be sharding (more than one data-parallel or context-parallel rank). Either missing is a
-:class:`~forge_lm.errors.ConfigError` from :func:`check_offload`, which ``forge config validate``
-and ``forge train`` call once the device is known.
+``cpu_offload`` runs on one GPU too (DeepSpeed's ZeRO-Offload user): a one-process run with it
+joins a process group of its own rank (:func:`forge_lm.distributed.launch.init_one_rank_group`)
+and FSDP2 runs over a mesh of that one rank (:func:`fsdp_in_one_process`), as torchtitan does on
+one GPU: the "shards" are whole tensors, the all-gather and reduce-scatter copies, and what
+offloading moves to the host is the whole model's weights, gradients and optimizer state.
+
+In every layout the model is built on the meta device and its parameters materialized on the
+host (:func:`parameters_device`): FSDP2 refuses offloaded parameters created on the GPU, and a
+model too large for the GPU is never whole on it. Buffers (the RoPE tables) are not FSDP2's:
+they go to the GPU (:func:`buffers_to`).
+
+Both need a CUDA device (on CPU there is nothing to offload to); under ``torchrun`` with more
+than one rank ``cpu_offload`` also needs FSDP2 to be sharding (more than one data-parallel or
+context-parallel rank: tensor or pipeline parallelism alone has no FSDP2 units to offload).
+Either missing is a :class:`~forge_lm.errors.ConfigError` from :func:`check_offload`, which
+``forge config validate`` and ``forge train`` call once the device is known.
 """
 
 from __future__ import annotations
@@ -58,12 +70,36 @@ def check_offload(config: ForgeConfig, device: torch.device, dims: Any | None = 
             "stage's forward and backward itself, outside the forward that offloading wraps. Set "
             "activation_offload = false (activation_checkpointing saves memory under pp), or pp = 1."
         )
-    if config.distributed.cpu_offload and dims is not None and dims.shard_size == 1:
+    if config.distributed.cpu_offload and dims is not None and dims.shard_size == 1 and dims.world_size > 1:
         raise ConfigError(
             "[distributed] cpu_offload = true moves FSDP2's shards to host memory, and this layout does not shard "
-            f"the parameters (dp_replicate x dp_shard x cp = 1 of {dims.world_size} rank(s)): launch it under torchrun "
-            "with dp_shard >= 2 (FSDP2 runs then), or set cpu_offload = false."
+            f"the parameters (dp_replicate x dp_shard x cp = 1 of {dims.world_size} ranks): set dp_shard >= 2 "
+            "(FSDP2 runs then), run it in one process (one GPU offloads the whole model), or set cpu_offload = false."
         )
+
+
+def fsdp_in_one_process(config: ForgeConfig, dims: Any) -> bool:
+    """Whether this run is FSDP2 over a mesh of one rank: ``cpu_offload`` in a one-process run
+    (which then needs a process group and a mesh of its own)."""
+    return config.distributed.cpu_offload and dims.world_size == 1
+
+
+def parameters_device(config: ForgeConfig, device: torch.device) -> torch.device:
+    """Where a model built on the meta device gets its parameters: the host under ``cpu_offload``
+    (FSDP2 wants offloaded shards created there, and pins them at its first forward), else
+    ``device``."""
+    return torch.device("cpu") if config.distributed.cpu_offload else device
+
+
+def buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Move every buffer of ``model`` to ``device`` (where they stay under ``cpu_offload``: FSDP2
+    moves parameters to and from the host, never buffers)."""
+    moved: dict[int, torch.Tensor] = {}  # a buffer registered in several modules stays one tensor
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if id(buffer) not in moved:
+                moved[id(buffer)] = buffer.to(device)
+            module._buffers[name] = moved[id(buffer)]
 
 
 def offload_policy(context: Any) -> OffloadPolicy | None:

@@ -1,5 +1,6 @@
 """The parts of a run, built before anything is written: join the process group (under
-torchrun), build the model on the meta device or this process's, cut it into a pipeline stage,
+torchrun; a group of its own for ``cpu_offload`` in one process), build the model on the meta
+device or this process's, cut it into a pipeline stage,
 apply the model transforms, then the optimizer, scheduler, loss, data, evaluation sets,
 evaluators and metrics backends. Any bad config or missing dependency is refused here, with
 nothing written: :func:`build_parts` raises, the run directory is not touched yet."""
@@ -29,8 +30,8 @@ from forge_lm.distributed import (
 from forge_lm.distributed.consistency import check_same_plugins
 from forge_lm.distributed.context_parallel import ContextParallel, enable_context_parallel
 from forge_lm.distributed.health import check_health
-from forge_lm.distributed.launch import on_main_process, rank_device
-from forge_lm.distributed.offload import check_offload
+from forge_lm.distributed.launch import init_one_rank_group, on_main_process, rank_device
+from forge_lm.distributed.offload import buffers_to, check_offload, fsdp_in_one_process, parameters_device
 from forge_lm.distributed.pipeline import PipelineRunner
 from forge_lm.errors import ConfigError
 from forge_lm.metrics.mfu import world_peak_with_source
@@ -135,15 +136,18 @@ def build_parts(config: ForgeConfig, manager: PluginManager) -> Parts:
     dims = ParallelDims.resolve(config, launch.world_size)  # checked before any process group exists
     device = rank_device(resolve_device(config.train.device), launch)
     dtype = autocast_dtype(config.train.precision, device)
-    check_offload(config, device, dims)  # nothing to offload to on a CPU; cpu_offload needs FSDP2
+    check_offload(config, device, dims)  # nothing to offload to on a CPU; under torchrun cpu_offload needs FSDP2
     choose_linear_kernel(config.train.cpu_linear_kernel, device)
     cpu_memory = keep_cpu_memory(config.train.cpu_keep_freed_memory, device)
     init_distributed(launch, device, config.distributed.timeout)
+    one_rank_fsdp = fsdp_in_one_process(config, dims)  # cpu_offload on one GPU: FSDP2 over a mesh of one rank
+    if one_rank_fsdp:
+        init_one_rank_group(device, config.distributed.timeout)
     if config.resilience.health_check and launch.world_size > 1:  # a bad rank is named before anything is built
         health = check_health(device)
         if is_main_process():
             print(f"forge: health check passed: {health.summary()}", file=sys.stderr)
-    mesh = dims.build_mesh(device.type)
+    mesh = dims.build_mesh(device.type, one_rank=one_rank_fsdp)
     check_same_plugins(manager.manifest(), manager.manifest_hash())
     dp_rank, dp_size = dp_coordinates(mesh)
     seed_everything(config.train.seed)  # every rank builds the same initial model
@@ -153,8 +157,9 @@ def build_parts(config: ForgeConfig, manager: PluginManager) -> Parts:
     # Under torchrun no rank holds the whole model: it is built on the meta device (no memory),
     # cut into a stage and transformed, then materialized below, each rank allocating and
     # initialising only its shards. Initial values depend on the seed and parameter names
-    # alone, so every layout starts from the one-process weights (forge_lm.model.init).
-    on_meta = dims.distributed
+    # alone, so every layout starts from the one-process weights (forge_lm.model.init). So is a
+    # one-process run with cpu_offload: its parameters are created on the host, never whole on the GPU.
+    on_meta = dims.distributed or one_rank_fsdp
     model = build_model(
         config.model, vocab_size, registry, seed=config.train.seed, device="meta" if on_meta else device
     )
@@ -171,8 +176,9 @@ def build_parts(config: ForgeConfig, manager: PluginManager) -> Parts:
         pipeline = PipelineRunner(model, dims, mesh, device, dtype, config.train.grad_accum_steps)
         model = pipeline.module  # this rank's stage; the transforms below apply to it
     applied = apply_model_transforms(model, TransformContext(config, dims, mesh, device, dtype), registry)
-    if on_meta:
-        materialize(model, device, config.train.seed)
+    if on_meta:  # under cpu_offload the parameters on the host (FSDP2 wants them there), the buffers on the device
+        materialize(model, parameters_device(config, device), config.train.seed)
+        buffers_to(model, device)
     with staged_parameters_trainable(model):  # the optimizer knows what a transform unfreezes later
         optimizer = config.optimizer.build(model)
     loss_fn = config.loss.build()

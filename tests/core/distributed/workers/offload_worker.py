@@ -54,6 +54,9 @@ BASE = [
 
 
 class _Watch:
+    """What a run holds at its end (also watched by test_offload_one_process.py, in one process):
+    its FSDP2 units, where their shards and the optimizer state are, the group it runs in."""
+
     FORGE_LM_PLUGIN_API = ">=1,<2"
 
     def __init__(self) -> None:
@@ -68,6 +71,8 @@ class _Watch:
         }
         self.seen = {
             "units": len(states),
+            "mesh_sizes": sorted({p.mesh_info.mesh.size() for p in params}),
+            "group_size": dist.get_world_size() if dist.is_initialized() else None,
             "offloaded": sorted({p.offload_to_cpu for p in params}),
             "shard_devices": sorted({str(p.sharded_param.to_local().device) for p in params}),
             "optimizer_devices": sorted(optimizer_devices),
