@@ -27,12 +27,13 @@ The sides of each model, each built, measured and freed in turn (never two resid
 - precision and memory (dense only, issue 31): ``forge fp16`` (``[train] precision = "fp16"``,
   float16 autocast with the dynamic loss scale), ``forge activation_offload`` (``[train]
   activation_offload``: saved activations in pinned host memory) and ``forge cpu_offload``
-  (``[distributed] cpu_offload``: FSDP2's shards, gradients and optimizer state on the host). Their
+  (``[distributed] cpu_offload``: in this one process FSDP2 over a mesh of one rank, the whole
+  model's weights, gradients and optimizer state on the host, the optimizer step on the CPU). Their
   peak memory against ``forge``'s is what offloading saves on the device, their ``steps_per_s``
   what it costs. A side Forge refuses in this one process is not run and its row says why
   (``skipped``, the refusal's message): both offloads on a CPU (nothing to offload to, so in a
-  smoke run), and ``cpu_offload`` on the GPU too, since it needs FSDP2 sharding over 2 or more
-  ranks (a ``torchrun`` launch this script does not make).
+  smoke run). ``cpu_offload`` is the dense model's last side: the process group of one rank it
+  joins is left before the next model's sides are built, which run without one.
 
 Each side runs ``--warmup`` then ``--rounds`` blocks of ``--steps`` steps; its figure is the
 median tokens/s, with the ratio to ``plain``, MFU (``forge_lm.model.flops`` FLOPs per token times
@@ -74,6 +75,7 @@ from torch import nn
 
 from forge_lm.config import load_config
 from forge_lm.data.loader import BatchLoader
+from forge_lm.distributed.launch import shutdown_distributed
 from forge_lm.distributed.mesh import ParallelDims
 from forge_lm.distributed.offload import check_offload
 from forge_lm.errors import ConfigError
@@ -333,9 +335,8 @@ def variant_builders(
 
 
 def _forge_side(overrides: list[str], workdir: Path, settings: PluginSettings) -> ForgeSide:
-    side = ForgeSide(overrides, workdir, settings)
-    side.initial_model = None  # ForgeSide's copy for bench_train's plain loop; PlainLoop builds its own
-    return side
+    # No copy for bench_train's plain loop (PlainLoop builds its own): it would count in the side's peak memory.
+    return ForgeSide(overrides, workdir, settings, plain_copy=False)
 
 
 def rows_for(
@@ -463,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
                 after_each=write if args.output is not None else None,
             )
             rows += rows_for(label, info, results, peaks, skipped)
+            # The group of one rank the cpu_offload side joined (FSDP2 in one process) is not the next
+            # model's: its sides run as one process without a group. A no-op when none was made.
+            shutdown_distributed()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -512,8 +516,9 @@ def _notes(args: argparse.Namespace, gpu: str, peak_source: str, peaks: dict[str
         "`peak_memory_gib`: torch.cuda.max_memory_allocated from the side's build to its end (null on a CPU). "
         "Precision and memory (dense): `forge fp16` (precision = fp16, its MFU over the same peak: the table's "
         "fp16 rate is its bf16 rate), `forge activation_offload` and `forge cpu_offload`, each forge with that one "
-        "setting; `steps_per_s` = tokens/s over tokens per step; a side Forge refuses in one process on this "
-        "device is `skipped` with the refusal (offloading on a CPU; cpu_offload without FSDP2 sharding). "
+        "setting (cpu_offload: FSDP2 over a mesh of this one rank, the whole model's weights, gradients and "
+        "optimizer state on the host); `steps_per_s` = tokens/s over tokens per step; a side Forge refuses in "
+        "one process on this device is `skipped` with the refusal (offloading on a CPU). "
         "`first_step_loss`: equal for forge and plain when they did the same work."
     )
 

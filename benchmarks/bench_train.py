@@ -241,7 +241,9 @@ def _linear_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class ForgeSide:
     """The default run's components, built by ``forge_lm.train``'s builders, ready to step."""
 
-    def __init__(self, overrides: list[str], workdir: Path, settings: PluginSettings) -> None:
+    def __init__(
+        self, overrides: list[str], workdir: Path, settings: PluginSettings, *, plain_copy: bool = True
+    ) -> None:
         self.manager = manager = PluginManager(settings)
         registry = manager.registry
         self.config = config = load_config(None, [*overrides, f"--train.output_dir={workdir}"], registry)
@@ -250,9 +252,13 @@ class ForgeSide:
         self.device, self.dtype = parts.device, parts.dtype
         self.model, self.optimizer, self.scheduler = parts.model, parts.optimizer, parts.scheduler
         self.vocab_size = model_vocab_size(config, config.tokenizer.build())
-        # The plain loop's copy: same class, same weights, never compiled.
-        self.initial_model = build_model(config.model, self.vocab_size, registry).to(self.device)
-        self.initial_model.load_state_dict(self.model.state_dict())
+        # The plain loop's copy: same class, same weights, never compiled. Without plain_copy, none:
+        # a side measured against a plain loop of its own (bench_gpu.py), whose peak memory must not
+        # count a copy, and whose model may be FSDP2's (its state dict holds DTensors).
+        self.initial_model = None
+        if plain_copy:
+            self.initial_model = build_model(config.model, self.vocab_size, registry).to(self.device)
+            self.initial_model.load_state_dict(self.model.state_dict())
         self.loss_fn, self.loader, self.backends = parts.loss_fn, parts.train_batches, parts.backends
         self.tokens_per_step = parts.tokens_per_step
         self.step_flops, self.peak = parts.flops_per_token, parts.peak_flops

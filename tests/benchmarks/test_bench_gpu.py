@@ -108,9 +108,9 @@ def test_on_the_cpu_the_offload_rows_say_forge_refuses_them_and_fp16_is_measured
         assert f"  {side}: skipped: " in smoke["done"].stdout
 
 
-def test_on_one_gpu_activation_offload_and_fp16_run_and_cpu_offload_is_skipped(bench, monkeypatch, tmp_path):
-    """Which sides a real run builds, with CUDA stood in for (nothing is built on it): FSDP2's
-    cpu_offload needs 2 or more sharding ranks, and this script is one process."""
+def test_on_one_gpu_every_precision_and_memory_side_is_built(bench, monkeypatch, tmp_path):
+    """Which sides a real run builds, with CUDA stood in for (nothing is built on it): cpu_offload
+    too, FSDP2 over a mesh of this one process's rank."""
     gpu = bench("bench_gpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -118,12 +118,47 @@ def test_on_one_gpu_activation_offload_and_fp16_run_and_cpu_offload_is_skipped(b
 
     builders, skipped = gpu.variant_builders("d", overrides, PluginSettings.from_env(), tmp_path)
 
-    assert list(builders) == ["forge fp16", "forge activation_offload"]
-    assert list(skipped) == ["forge cpu_offload"]
-    assert skipped["forge cpu_offload"].startswith(
-        "[distributed] cpu_offload = true moves FSDP2's shards to host memory, and this layout does not shard"
-    )
-    assert [b.args[0][-1] for b in builders.values()] == ["--train.precision=fp16", "--train.activation_offload=true"]
+    assert skipped == {}
+    assert list(builders) == ["forge fp16", "forge activation_offload", "forge cpu_offload"]
+    assert [b.args[0][-1] for b in builders.values()] == [
+        "--train.precision=fp16",
+        "--train.activation_offload=true",
+        "--distributed.cpu_offload=true",
+    ]
+
+
+def test_the_cpu_offload_side_steps_as_fsdp2_over_one_rank(bench, monkeypatch, tmp_path):
+    """The side a GPU run builds for cpu_offload, built and stepped with the CPU standing in for the
+    GPU (the refusal lifted): FSDP2 units holding offloaded shards, no plain copy of the model, the
+    first loss that of the forge side, and no process group left once the script leaves it."""
+    import torch.distributed as dist
+
+    from forge_lm.distributed import launch
+    from forge_lm.train import parts
+
+    gpu = bench("bench_gpu")
+    monkeypatch.setattr(parts, "check_offload", lambda *args: None)
+    monkeypatch.setattr(launch, "JOINED", launch.JOINED)  # restored: this test process joined no real launch
+    # fp32: under bf16, FSDP2's mixed precision computes norms and the embedding in bf16 too (autocast does not)
+    overrides = ["--train.device=cpu", *gpu.SMOKE, "--train.precision=fp32", "--metrics.peak_flops=1e12"]
+    settings = PluginSettings.from_env()
+    try:
+        side = gpu._forge_side([*overrides, "--distributed.cpu_offload=true"], tmp_path / "offload", settings)
+        side.run(1)
+        states = [m._get_fsdp_state() for m in side.model.modules() if hasattr(m, "_get_fsdp_state")]
+        params = [p for s in states if s._fsdp_param_group for p in s._fsdp_param_group.fsdp_params]
+        assert len(states) == 3  # two blocks and the root
+        assert {p.offload_to_cpu for p in params} == {True}
+        assert {p.mesh_info.mesh.size() for p in params} == {1}
+        assert side.initial_model is None
+        offloaded_loss = side.first[0]
+        side.close()
+    finally:
+        gpu.shutdown_distributed()  # what main() does after the dense model's sides
+    assert not dist.is_initialized()
+    plain = gpu._forge_side(overrides, tmp_path / "plain", settings)
+    plain.run(1)
+    assert offloaded_loss == plain.first[0]  # the same weights, batch and arithmetic
 
 
 def test_the_smoke_run_takes_mfu_from_the_gpu_peak_table(smoke):
