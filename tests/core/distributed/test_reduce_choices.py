@@ -1,5 +1,6 @@
 """[distributed] reduce_dtype and PowerSGD compression on 2 and 4 gloo ranks: short runs of the
-debug config (8 steps) against fp32 reduction, and a PowerSGD resume against the uninterrupted run.
+debug config (8 steps) against fp32 reduction, and a PowerSGD resume against the uninterrupted run,
+in which each rank reads back its own compression state only.
 
 One launch per rank count runs every variant (tests/core/distributed/workers/reduce_worker.py).
 2 ranks: two replicas; 4 ranks: HSDP, 2 replicas of 2 shards, where PowerSGD compresses FSDP2's
@@ -30,7 +31,7 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     out = work / "result.json"
     result = torchrun([str(WORKER), str(work), str(out)], nproc=request.param, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return {"world": request.param, **json.loads(out.read_text())}
+    return {"world": request.param, "work": work, **json.loads(out.read_text())}
 
 
 def _losses(ranks: dict, name: str) -> list[float]:
@@ -73,3 +74,17 @@ def test_powersgd_resume_equals_the_uninterrupted_run(ranks: dict) -> None:
     assert set(first_half[0]["reductions"].values()) == {4}
     # The resumed run's errors and weights are the uninterrupted run's, on every rank.
     assert ranks["resumed"]["ranks"] == ranks["powersgd"]["ranks"]
+
+
+def test_each_rank_reads_only_its_own_compression_state_on_resume(ranks: dict) -> None:
+    """The checkpoint holds every rank's PowerSGD state, and each rank asked the reader for its
+    own tensors only: its errors and warm-start factors of step 4, no other rank's."""
+    saved = json.loads((ranks["work"] / "resumed" / "checkpoints" / "step_8" / "trainer_state.json").read_text())
+    by_rank = saved["trainer"]["grad_compression"]["__rank__"]
+    assert sorted(by_rank, key=int) == [str(r) for r in range(ranks["world"])]
+    for rank, (asked, held) in enumerate(zip(ranks["asked_on_resume"], ranks["first_half"]["ranks"], strict=True)):
+        prefix = f"state.trainer.grad_compression.rank{rank}"
+        own = [f"{prefix}.errors.{name}" for name in held["error_names"]]
+        own += [f"{prefix}.factors.{name}" for name in held["factor_names"]]
+        assert held["error_names"]  # there was state to read
+        assert asked == sorted(own)

@@ -26,6 +26,7 @@ from forge_lm.checkpoint._layout import CHECKPOINTS, RUN_ID_FILE, SAVE_IN_PROGRE
 from forge_lm.checkpoint._manager import CheckpointManager, latest_checkpoint
 from forge_lm.checkpoint._safe import DamagedCheckpointError, UnsafeCheckpointError
 from forge_lm.checkpoint._store import check_location, holds_checkpoints
+from forge_lm.checkpoint._tree import PerRank
 
 __all__ = [
     "CHECKPOINTS",
@@ -36,6 +37,7 @@ __all__ = [
     "CheckpointSaveError",
     "DamagedCheckpointError",
     "NonFiniteWeights",
+    "PerRank",
     "UnsafeCheckpointError",
     "check_location",
     "holds_checkpoints",

@@ -8,7 +8,8 @@ written by another run, does not fit the model, or holds weights that are not fi
 The optimizer's saved state must have the live optimizer's groups, keys and kinds of values; only
 what evolves in training (learning rates, step counts) is restored from it: its settings come
 from the live optimizer, that is from this run's config. Metadata that names code to run stops
-loading altogether (:class:`UnsafeCheckpointError`).
+loading altogether (:class:`UnsafeCheckpointError`). Of the trainer state's per-rank entries
+(:class:`._tree.PerRank`) each rank asks the reader for its own part only.
 
 A step directory without its ``trainer_state.json`` is a save that was cut short, not a
 checkpoint: when there is nothing else, loading moves it aside (``step_<N>.incomplete``) and
@@ -33,7 +34,7 @@ from forge_lm.checkpoint._layout import CHECKPOINTS, INCOMPLETE, LATEST
 from forge_lm.checkpoint._rng import restore_rng
 from forge_lm.checkpoint._safe import DamagedCheckpointError, TensorsOnlyPlanner, UnsafeCheckpointError
 from forge_lm.checkpoint._state import TRAINER_STATE, check_optimizer_state, read_trainer_state, restore_param_groups
-from forge_lm.checkpoint._tree import join, restrict_to_rank, split, tensor_keys
+from forge_lm.checkpoint._tree import join, own_rank_parts, restrict_to_rank, split, tensor_keys
 from forge_lm.checkpoint._validate import check_finite_loaded, check_owner, check_place
 from forge_lm.checkpoint._write import _single_process_quietly
 from forge_lm.components import EvolvingGroupKeys
@@ -136,6 +137,8 @@ class LoadingCheckpoints(FindingCheckpoints):
         check_owner(saved, self.run_id, self.root)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         skeleton = restrict_to_rank(saved, model_state, optimizer_state)
+        # Another rank's own state (PowerSGD's errors) is neither asked of the reader nor held here.
+        skeleton["trainer"] = own_rank_parts(skeleton["trainer"], rank())
         replaced = _check_optimizer(skeleton, optimizer, optimizer_state)
         reader = self.store.reader(name)
         stored = reader.read_metadata().state_dict_metadata

@@ -4,6 +4,11 @@ A tensor is replaced in the skeleton by ``{"__tensor__": key}``, a tuple by
 ``{"__tuple__": [...]}`` (optimizers care about tuples such as ``betas``). Anything that is
 neither a tensor nor plain data cannot be checkpointed without pickling, so saving it fails
 with the path of the offending value.
+
+A value of one rank's own (:class:`PerRank`: PowerSGD's error feedback differs on every rank)
+becomes ``{"__rank__": {"<rank>": skeleton}}``, its tensors named ``<path>.rank<rank>``; rank 0's
+skeleton, gathered from every rank (:func:`merge_rank_skeletons`), holds every rank's entry, and
+:func:`own_rank_parts` keeps only the loading rank's, so that a resume reads no other rank's tensors.
 """
 
 from __future__ import annotations
@@ -12,15 +17,31 @@ from typing import Any
 
 import torch
 
+from forge_lm.distributed.reduce import rank as current_rank
 from forge_lm.errors import ForgeError
 
 _PLAIN = (bool, int, float, str, type(None))
+
+
+PER_RANK = "__rank__"
+
+
+class PerRank:
+    """``value`` (tensors and plain data) is ``rank``'s own: saved by that rank under its rank,
+    and on a resume read back by the same rank only (None where the checkpoint holds nothing of
+    that rank's). ``rank``: the global rank; by default this process's."""
+
+    def __init__(self, value: Any, rank: int | None = None) -> None:
+        self.value = value
+        self.rank = current_rank() if rank is None else rank
 
 
 def split(obj: Any, prefix: str) -> tuple[dict[str, torch.Tensor], Any]:
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(value: Any, path: str) -> Any:
+        if isinstance(value, PerRank):  # ranks' tensors need names of their own: DCP keeps one per name
+            return {PER_RANK: {str(value.rank): walk(value.value, f"{path}.rank{value.rank}")}}
         if isinstance(value, torch.Tensor):
             tensors[path] = value
             return {"__tensor__": path}
@@ -93,6 +114,24 @@ def _merge(first: Any, second: Any) -> Any:
 
 def _is_param_groups(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(group, dict) and "params" in group for group in value)
+
+
+def own_rank_parts(skeleton: Any, rank: int) -> Any:
+    """``skeleton`` with every :class:`PerRank` entry replaced by ``rank``'s part of it (None when
+    it has none): what this rank loads, without any other rank's tensors. The skeleton was read
+    from a file: an entry that is not a table of parts by rank raises ValueError (a damaged
+    checkpoint, passed over)."""
+    if isinstance(skeleton, list):
+        return [own_rank_parts(v, rank) for v in skeleton]
+    if not isinstance(skeleton, dict):
+        return skeleton
+    if PER_RANK in skeleton:
+        parts = skeleton[PER_RANK]
+        by_rank = isinstance(parts, dict) and all(key.isascii() and key.isdigit() for key in parts)
+        if len(skeleton) != 1 or not by_rank:
+            raise ValueError(f"its trainer state holds a malformed {PER_RANK} entry (a table of parts by rank)")
+        return parts.get(str(rank))
+    return {key: own_rank_parts(value, rank) for key, value in skeleton.items()}
 
 
 def restrict_to_rank(skeleton: dict[str, Any], model_state: dict[str, Any], optimizer_state: Any) -> dict[str, Any]:

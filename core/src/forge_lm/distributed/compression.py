@@ -28,8 +28,8 @@ the mean that torch's hook keeps.
 
 A gradient that is not finite (an fp16 overflow, a bad batch) leaves the error and the warm
 start as they were: the step is skipped by the loop, and the state must not carry the NaN on.
-The state (each rank's errors and factors, and the reductions counted) is saved in the
-checkpoint under the rank that holds it (:meth:`PowerSGD.state_dict`).
+The state (each rank's errors and factors, and the reductions counted: :meth:`PowerSGD.state_dict`)
+is saved in the checkpoint as the rank's own, which a resume reads back on that rank only.
 """
 
 from __future__ import annotations
@@ -212,24 +212,26 @@ class PowerSGD:
     # -- the checkpoint -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state, under its rank (every rank saves its own: the errors differ)."""
-        mine = {
+        """This rank's state (the errors differ between ranks: the trainer state keeps it as this
+        rank's own, and a resume hands each rank its own back)."""
+        return {
             "reductions": dict(self.reductions),
             "replicas": self.replicas,
             "errors": dict(self.errors),
             "factors": dict(self.factors),
         }
-        return {f"rank{self.rank_in_world()}": mine}
-
-    def rank_in_world(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
 
     def load_state_dict(self, saved: Any) -> str | None:
-        """Take this rank's part of ``saved`` (a checkpoint's, untrusted). A part that is damaged
-        (wrong kinds, shapes or dtypes, values that are not finite) raises ValueError: the
-        checkpoint is passed over. A checkpoint without it (written without compression, or with
-        other replicas or ranks) leaves the state fresh; the return value says why (None: loaded)."""
-        mine = saved.get(f"rank{self.rank_in_world()}") if isinstance(saved, dict) else None
+        """Take ``saved``, this rank's state from a checkpoint (untrusted; None: it holds none for
+        this rank). A state that is damaged (wrong kinds, shapes or dtypes, values that are not
+        finite) raises ValueError: the checkpoint is passed over. A checkpoint without it (written
+        without compression, or with other replicas or ranks) leaves the state fresh; the return
+        value says why (None: loaded)."""
+        mine = saved
+        if isinstance(saved, dict) and saved and all(isinstance(k, str) and k.startswith("rank") for k in saved):
+            # Checkpoints written before per-rank entries (forge_lm.checkpoint.PerRank) held
+            # every rank's state, each under "rank<N>".
+            mine = saved.get(f"rank{dist.get_rank() if dist.is_initialized() else 0}")
         if mine is None:
             self._reset()
             return "the checkpoint holds no compression state for this rank; it starts afresh"

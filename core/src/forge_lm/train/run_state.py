@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from forge_lm import events
-from forge_lm.checkpoint import CheckpointManager
+from forge_lm.checkpoint import CheckpointManager, PerRank
 from forge_lm.checkpoint._safe import DamagedCheckpointError
 from forge_lm.checkpoint._state import TRAINER_STATE, check_like
 from forge_lm.config import structure_config, to_data
@@ -96,7 +96,7 @@ def save_run(
         state["spikes"] = detector.state_dict()
     compressor = compressor_of(context.model)
     if compressor is not None:  # [distributed.compression]: each rank's error feedback and warm start
-        state["grad_compression"] = compressor.state_dict()
+        state["grad_compression"] = PerRank(compressor.state_dict())  # a resume reads back this rank's only
     checkpoints.save(context.step, context.model, context.optimizer, state)
 
 

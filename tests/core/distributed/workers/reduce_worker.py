@@ -7,7 +7,8 @@ With N = 2 the ranks are 2 replicas (``dp_replicate = 2, dp_shard = 1``); with N
 The worker joins the process group itself, so that ``train()`` leaves it up and one launch runs
 every variant: fp32 reduction, bf16 reduction, PowerSGD, and PowerSGD stopped at step 4 and
 resumed from its checkpoint. Rank 0 writes OUT_JSON: each variant's losses by step and,
-per rank, what its compressor did and a checksum of its weights (replicas must agree).
+per rank, what its compressor did and a checksum of its weights (replicas must agree), and the
+names of the compression tensors each rank asked the checkpoint reader for when it resumed.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from forge_lm import hookimpl
+from forge_lm.checkpoint import _load
 from forge_lm.config import load_config
 from forge_lm.distributed.compression import compressor_of
 from forge_lm.distributed.launch import exit_process
@@ -61,7 +64,21 @@ class _Watch:
             "reductions": dict(compressor.reductions) if compressor else None,
             "errors": len(compressor.errors) if compressor else 0,
             "error_norm": sum(float(e.norm()) for e in compressor.errors.values()) if compressor else 0.0,
+            "error_names": sorted(compressor.errors) if compressor else [],
+            "factor_names": sorted(compressor.factors) if compressor else [],
         }
+
+
+class _ReaderRequests:
+    """Stands in for the loader's ``dcp`` module: records the compression tensors each load asks
+    the reader for, then loads them."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def load(self, state_dict, **kwargs):
+        self.asked += sorted(key for key in state_dict if ".grad_compression." in key)
+        return dcp.load(state_dict, **kwargs)
 
 
 def run(work: Path, name: str, layout: list[str], extra: list[str], watch: _Watch, manager: PluginManager) -> dict:
@@ -95,7 +112,13 @@ def main() -> int:
     }
     # The same PowerSGD run, stopped after step 4 (its last step: a checkpoint), then resumed.
     results["first_half"] = run(work, "resumed", layout, [*POWERSGD, "--train.max_steps=4"], watch, manager)
+    requests = _ReaderRequests()
+    _load.dcp = requests
     results["resumed"] = run(work, "resumed", layout, POWERSGD, watch, manager)
+    _load.dcp = dcp
+    asked: list = [None] * dist.get_world_size()
+    dist.all_gather_object(asked, requests.asked)
+    results["asked_on_resume"] = asked
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results))
     dist.barrier()
