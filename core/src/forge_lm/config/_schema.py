@@ -453,9 +453,10 @@ class DistributedSection:
     cpu_offload: bool = attrs.field(
         default=False,
         metadata=_doc(
-            "CUDA and FSDP2 only: keep this rank's parameter shards, their gradients and the optimizer state in "
-            "pinned host memory and run the optimizer step on the CPU (FSDP2's CPUOffloadPolicy); the device holds "
-            "the layers being computed and the activations."
+            "CUDA only: keep this rank's parameter shards, their gradients and the optimizer state in pinned host "
+            "memory and run the optimizer step on the CPU (FSDP2's CPUOffloadPolicy; in one process FSDP2 runs over "
+            "its one rank and offloads the whole model); the device holds the layers being computed and the "
+            "activations."
         ),
     )
     pp_schedule: str = attrs.field(
