@@ -5,7 +5,8 @@ files would make Forge work outside the run: a ``.lock`` or ``metrics.jsonl`` li
 file gets that file overwritten or appended to, and a ``checkpoints`` linked to another run's
 resumes from that run and then prunes its checkpoints. So the run's own entries that are links
 are refused, naming the link and the fix (:func:`refuse_links`, exit 2, before anything is
-written), files are opened with ``O_NOFOLLOW`` (:func:`open_to_write`), and the folders Forge
+written), files are written whole without following a link (:func:`write_text`, by
+:mod:`forge_lm.safe_write`'s rule) or opened with ``O_NOFOLLOW`` (:func:`open_to_write`), and the folders Forge
 creates in the run (``eval/``, ``hang/``, ``profiles/``) are created level by level, refusing
 one that is a link (:func:`make_dirs`). The run directory itself may be a link
 (``runs -> /scratch/runs``): only what is inside it is checked.
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from forge_lm.errors import ForgeError
+from forge_lm.safe_write import write_atomically
 
 NOT_IN_A_RUN = "Forge does not follow links inside a run directory, so that it never reads or writes outside the run"
 
@@ -68,6 +70,9 @@ def open_to_write(path: Path, *, new: bool = False, append: bool = False) -> int
 
 
 def write_text(path: Path, text: str, *, new: bool = False) -> None:
-    """Write ``text`` (UTF-8) to ``path`` as :func:`open_to_write` opens it."""
-    with os.fdopen(open_to_write(path, new=new), "w", encoding="utf-8") as file:
-        file.write(text)
+    """Write ``text`` (UTF-8) to ``path`` whole or not at all, flushed to the disk
+    (:func:`forge_lm.safe_write.write_atomically`): a reader, or a run resumed after a crash,
+    finds the old file or the new one. A link at ``path`` is refused (``OSError`` ELOOP, as
+    :func:`open_to_write`); with ``new``, anything already there, a dangling link included, is
+    (``FileExistsError``)."""
+    write_atomically(path, text, new=new)

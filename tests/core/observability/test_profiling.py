@@ -240,8 +240,13 @@ def fake_cuda_memory(monkeypatch):
         calls.append(("record", kwargs.get("enabled", "all"), kwargs))
 
     def dump(filename):
-        calls.append(("dump", filename))
-        Path(filename).write_bytes(b"fake snapshot")
+        # Written beside its place under a temporary name (forge_lm.safe_write), then renamed:
+        # recorded as the file it becomes.
+        partial = Path(filename)
+        named = re.fullmatch(r"\.(.+)\.[0-9a-f]{8}\.partial", partial.name)
+        assert named, f"the snapshot is not written beside its place: {filename}"
+        calls.append(("dump", str(partial.with_name(named[1]))))
+        partial.write_bytes(b"fake snapshot")
 
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)

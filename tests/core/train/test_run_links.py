@@ -145,7 +145,7 @@ def test_the_hang_stacks_are_not_written_through_a_link(run, victim, tmp_path):
 
 def test_a_profile_file_is_never_written_through_a_link(run, victim):
     path = run / "trace.json"
-    _link(path.with_name(f".{path.name}.partial"), victim)  # the temporary name, planted
+    _link(path.with_name(f".{path.name}.partial"), victim)  # the temporary name before it was random, planted
     _link(run / "other.json", victim)
     _write_atomically(path, lambda tmp: Path(tmp).write_text("{}"))
     _write_atomically(run / "other.json", lambda tmp: Path(tmp).write_text("{}"))  # the link is replaced

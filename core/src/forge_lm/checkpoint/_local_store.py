@@ -3,8 +3,9 @@
 Nothing here follows a link: a step directory, a file in one or ``latest`` that is a link is
 reported as a ``"link"`` (the callers refuse it), a ``checkpoints`` directory that is a link is
 refused outright, and a step directory is removed without following a link planted in its place.
-Small files are written atomically (a scratch file, fsync, rename), so a reader sees the old file
-or the new one, never half of one.
+Small files are written by :func:`forge_lm.safe_write.write_atomically` (a new file beside the
+target, fsync, rename, fsync of the directory), so a reader sees the old file or the new one, never
+half of one; a link at ``latest`` is replaced, never followed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from forge_lm.checkpoint._safe import DamagedCheckpointError, SafeReader
 from forge_lm.errors import ForgeError
+from forge_lm.safe_write import write_atomically
 
 
 class LocalFiles:
@@ -49,13 +51,8 @@ class LocalFiles:
         return [(entry.name, self.kind(entry.name)) for entry in self.where.iterdir()]
 
     def write_text(self, name: str, text: str) -> None:
-        path = self.where / name
-        scratch = path.with_name(path.name + ".tmp")
-        with scratch.open("w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(scratch, path)  # readers see the old file or the new one, never half of one
+        # A link planted at the name is replaced (the readers refuse one: see kind()).
+        write_atomically(self.where / name, text, replace_link=True)
 
 
 class LocalStore:

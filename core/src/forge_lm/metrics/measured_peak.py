@@ -9,8 +9,6 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +20,7 @@ from forge_lm import hardware
 from forge_lm.metrics.peak_dtypes import DTYPE_NAMES
 from forge_lm.model.linear import onednn_available
 from forge_lm.notices import warn
+from forge_lm.safe_write import write_atomically
 
 CPU_MEASURE_SECONDS = 0.2  # target duration of one timed matmul
 # The best of these is the peak: a matmul slowed by another process only loses, so more tries
@@ -199,15 +198,9 @@ def _read_cache(path: Path) -> dict[str, Any]:
 
 
 def _write_cache(path: Path, cache: dict[str, Any]) -> None:
-    # Written to a temporary file and renamed, so a reader never sees half a file. A cache that
-    # cannot be written (read-only home) only costs a measurement next time, so it is not an error.
+    # Written whole or not at all, never through a link (forge_lm.safe_write); not flushed to the
+    # disk, as a lost cache only costs a measurement. A cache that cannot be written (read-only
+    # home) costs the same, so it is not an error.
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".peak_flops.", suffix=".json")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as file:
-                json.dump(cache, file, indent=2, sort_keys=True)
-            os.replace(temporary, path)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
+        write_atomically(path, json.dumps(cache, indent=2, sort_keys=True), durable=False)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ import attrs
 import torch
 
 from forge_lm import hardware
+from forge_lm.safe_write import write_atomically
 
 MARGIN = 1.10
 """oneDNN must be this much faster (time ratio) to be chosen: a near tie keeps torch's kernel,
@@ -160,11 +160,11 @@ def _read(path: Path) -> dict:
 
 
 def _write(path: Path, cache: dict) -> None:
-    """Write the cache atomically; a cache that cannot be written is skipped (the choice still stands)."""
+    """Write the cache whole, never through a link (:mod:`forge_lm.safe_write`; not flushed to the
+    disk: a lost cache costs a timing); a cache that cannot be written is skipped (the choice
+    still stands)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_text(json.dumps(cache, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(partial, path)
+        write_atomically(path, json.dumps(cache, indent=1, sort_keys=True), durable=False)
     except OSError:
         pass

@@ -30,7 +30,7 @@ import attrs
 
 from forge_lm.data.prepare import FORMATS, read_documents, resolve_inputs
 from forge_lm.errors import ForgeError
-from forge_lm.run_links import write_text
+from forge_lm.safe_write import write_atomically
 
 END_OF_TEXT = "<|endoftext|>"
 PADDING = "<|pad|>"
@@ -206,30 +206,20 @@ def _documents(
 
 
 def _save(tokenizer: Any, path: Path) -> None:
-    # Written beside the target, then renamed over it: an interrupted run leaves either the old
-    # file or the new one, never half a tokenizer.json.
-    # The partial file is created anew (O_EXCL | O_NOFOLLOW): a link planted at its name is
-    # refused, never written through; os.replace then replaces a link at tokenizer.json itself.
+    # Written whole beside the target, then renamed over it (forge_lm.safe_write): an interrupted
+    # run leaves either the old file or the new one, never half a tokenizer.json, and writes
+    # through no link. A link at tokenizer.json itself is replaced (--output names the user's
+    # file; what the link pointed at is untouched).
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ForgeError(
             f"cannot create the output directory '{path.parent}': {exc.strerror or exc}; choose another --output."
         ) from None
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        write_text(partial, tokenizer.to_str(pretty=True), new=True)
-    except OSError as exc:
-        if isinstance(exc, FileExistsError):
-            raise ForgeError(f"'{partial}' is in the way of writing '{path}'; remove it and train again.") from None
-        partial.unlink(missing_ok=True)
-        raise ForgeError(f"cannot write '{partial}': {exc.strerror or exc}.") from None
-    try:
-        os.replace(partial, path)
+        write_atomically(path, tokenizer.to_str(pretty=True), replace_link=True)
     except OSError as exc:
         raise ForgeError(f"cannot write '{path}': {exc.strerror or exc}.") from None
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def _eos_token_for_hf(path: Path) -> str:

@@ -48,7 +48,6 @@ training goes on (unprofiled when the profiler itself failed).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -60,6 +59,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity
 from forge_lm.config import ProfilingSection
 from forge_lm.notices import warn
 from forge_lm.run_links import make_dirs
+from forge_lm.safe_write import replacing
 from forge_lm.train.profiler_output import release_window, size_in_words, without_kineto_lines
 
 PROFILES_DIR = "profiles"
@@ -364,9 +364,7 @@ class StepProfiler:
         path = self.out_dir / name
         try:
             self._make_out_dir()
-            if path.is_symlink():  # planted in the run: removed, never written through
-                path.unlink()
-            torch.cuda.memory._dump_snapshot(str(path))
+            _write_atomically(path, torch.cuda.memory._dump_snapshot)  # a link planted there is replaced
         except Exception as exc:  # noqa: BLE001 - as for the traces
             warn(f"could not write the memory snapshot {path}: {exc}")
             return
@@ -382,16 +380,13 @@ class StepProfiler:
 
 
 def _write_atomically(path: Path, write: Any) -> None:
-    """Have ``write(tmp_path)`` write beside ``path``, then move it in place: readers (``forge
-    profile``, a crashed run's leftovers) never see half a file. Links are never written through:
-    one at the temporary name is removed first, one at ``path`` is replaced."""
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.unlink(missing_ok=True)  # a leftover, or a link planted there: torch would write through it
-    try:
+    """Have ``write(tmp_path)`` write beside ``path``, then move it in place
+    (:func:`forge_lm.safe_write.replacing`): readers (``forge profile``, a crashed run's
+    leftovers) never see half a file, and no link is written through: the temporary file has a
+    fresh random name, and a link at ``path`` is replaced. Not flushed to the disk: a profile is
+    a diagnosis, and large."""
+    with replacing(path, durable=False, replace_link=True) as tmp:
         write(str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 __all__ = ["PROFILES_DIR", "StepProfiler", "rank_dir", "recorded_steps", "summarize", "window_schedule"]

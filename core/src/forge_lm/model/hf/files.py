@@ -4,10 +4,8 @@ or the shards of an index), written without following links and read as untruste
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ import torch
 from forge_lm.errors import ForgeError
 from forge_lm.model.hf_fields import CONFIG_FILE
 from forge_lm.run_links import LinkInRunDir
+from forge_lm.safe_write import replacing, write_atomically
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # sharded checkpoints, as save_pretrained writes them
@@ -36,21 +35,15 @@ def write_hf(out_dir: str | Path, hf_config: dict[str, Any], state: dict[str, to
     """Write a Hugging Face model directory: ``config.json`` and ``model.safetensors``.
 
     Neither is written through a link: a link at either name is refused (before anything is
-    written), and the weights are written beside their place and renamed over it."""
+    written). Each is written whole beside its place and renamed over it
+    (:mod:`forge_lm.safe_write`), so an interrupted export leaves the files that were there."""
     st = _safetensors()
     tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in state.items()}
     out = make_export_dir(out_dir)
     refuse_export_links(out, (CONFIG_FILE, WEIGHTS_FILE))
     write_export_file(out / CONFIG_FILE, (json.dumps(hf_config, indent=2) + "\n").encode("utf-8"))
-    fd, partial = tempfile.mkstemp(prefix=f".{WEIGHTS_FILE}.", suffix=".partial", dir=out)
-    os.close(fd)
-    try:
+    with replacing(out / WEIGHTS_FILE) as partial:  # safetensors truncates it in place: it keeps its mode
         st.save_file(tensors, partial, metadata={"format": "pt"})
-        os.chmod(partial, _new_file_mode())  # safetensors writes 0600; give it config.json's usual mode
-        os.replace(partial, out / WEIGHTS_FILE)  # replaces the name: never writes through what was there
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
     return out
 
 
@@ -76,12 +69,10 @@ def make_export_dir(out_dir: str | Path) -> Path:
 
 
 def write_export_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` without following a link there (``O_NOFOLLOW``, as
-    :func:`forge_lm.run_links.open_to_write`), a new file getting the mode ``open()`` gives one:
+    """Write ``data`` to ``path`` whole (:func:`forge_lm.safe_write.write_atomically`), never
+    through a link there (``OSError`` ELOOP), a new file getting the mode ``open()`` gives one:
     an export is the user's files, not a run's."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    with os.fdopen(os.open(path, flags, 0o666), "wb") as file:
-        file.write(data)
+    write_atomically(path, data)
 
 
 def refuse_export_links(out: Path, names: Iterable[str]) -> None:
@@ -97,19 +88,6 @@ def refuse_export_links(out: Path, names: Iterable[str]) -> None:
                 f"'{path}' is a symbolic link{target}; an export does not write through links, so that it never "
                 f"writes outside '{out}'. Remove the link, or export into another directory."
             )
-
-
-def _new_file_mode() -> int:
-    """The mode ``open()`` gives a new file: 0666 less the process's umask."""
-    try:  # Linux reports the umask without changing it
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)  # elsewhere: read it by setting it, then put it back
-    os.umask(mask)
-    return 0o666 & ~mask
 
 
 def read_hf(hf_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
