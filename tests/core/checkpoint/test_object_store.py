@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from forge_lm import hookimpl
 from forge_lm.checkpoint import CheckpointManager, CheckpointSaveError, UnsafeCheckpointError
 from forge_lm.checkpoint._object_store import ObjectFiles, ObjectStore
 from forge_lm.cli._main import main
@@ -454,7 +455,7 @@ def test_two_sharded_ranks_load_a_one_process_checkpoint_from_the_bucket(s3_env,
     CheckpointManager(tmp_path / "run", location=url).save(1, parts.model, parts.optimizer, {})
     expected = _whole_state(parts.model, parts.optimizer)
 
-    result = torchrun([__file__, str(tmp_path), url], nproc=2)
+    result = torchrun([__file__, "reshard", str(tmp_path), url], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     assert loaded.keys() == expected.keys()
@@ -488,5 +489,99 @@ def _reshard_worker(out: Path, url: str) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the resharding test's ranks: torchrun runs this file
-    sys.exit(_reshard_worker(Path(sys.argv[1]), sys.argv[2]))
+# -- two FSDP2 ranks save to the bucket, and resume from it --------------------------------
+
+
+def test_two_sharded_ranks_save_to_the_bucket_and_resume_from_it_bit_for_bit(s3_env, tmp_path):
+    """Two FSDP2 ranks (dp_shard = 2, gloo) train 2 steps, each uploading its own shard of step 2
+    to the bucket, then resume from there and train step 3: the step's loss and every whole
+    tensor of the model and the AdamW moments equal those of the same ranks' uninterrupted
+    3-step run with local checkpoints, bit for bit."""
+    from forge_lm.testing.distributed import torchrun
+
+    url = f"s3://{s3_env['bucket']}/sharded"
+    _run_config(tmp_path)
+    result = torchrun([__file__, "save", str(tmp_path), url], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # After the first run: one complete step, both ranks' shards and the shared objects.
+    step_2 = sorted(json.loads((tmp_path / "saved_objects.json").read_text()))
+    assert step_2 == [
+        "sharded/latest",
+        "sharded/step_2/.metadata",
+        "sharded/step_2/__0_0.distcp",
+        "sharded/step_2/__1_0.distcp",
+        "sharded/step_2/trainer_state.json",
+    ]
+    assert not (tmp_path / "bucketed" / "checkpoints").exists()
+    shards = [f"sharded/step_3/__{rank}_0.distcp" for rank in (0, 1)]
+    assert {*shards, "sharded/step_3/trainer_state.json"} <= set(_objects(s3_env["bucket"]))
+
+    reference = torch.load(tmp_path / "straight.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "bucketed.pt", weights_only=True)
+    assert resumed.keys() == reference.keys()
+    assert [key for key in reference if not torch.equal(resumed[key], reference[key])] == []
+    events = [json.loads(line) for line in (tmp_path / "bucketed" / "events.jsonl").read_text().splitlines()]
+    resumes = [(e["from_step"], e["checkpoint"]) for e in events if e["type"] == "resume"]
+    assert resumes == [(2, "step_2")]  # the second run resumed from the bucket, not from step 0
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert losses["bucketed"]["3"] == losses["straight"]["3"]  # the resumed step, bit for bit
+    assert losses["bucketed"]["1"] == losses["straight"]["1"]  # the first run's steps, too
+
+
+class _EndState:
+    """Keeps every whole tensor of the model and optimizer at the end of a run (a collective)."""
+
+    FORGE_LM_PLUGIN_API = ">=1,<2"
+
+    def __init__(self) -> None:
+        self.whole: dict[str, torch.Tensor] = {}
+
+    @hookimpl
+    def forge_lm_train_end(self, context, status):
+        self.whole = _whole_state(context.model, context.optimizer)
+
+
+def _save_worker(out: Path, url: str) -> int:
+    """Under torchrun: with dp_shard = 2, an uninterrupted 3-step run checkpointed locally, then
+    2 steps checkpointed to ``url`` and a resume from there to step 3. Rank 0 writes what the
+    bucket held after the save, both runs' whole end states and their losses."""
+    import torch.distributed as dist
+
+    from forge_lm.plugins import PluginManager, PluginSettings
+    from forge_lm.testing.distributed import metrics_by_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # ours: train() leaves it up between the runs
+    manager = PluginManager(PluginSettings(autoload=False))
+    watch = _EndState()
+    manager.add_plugin(watch, "end-state")
+    # A constant learning rate: a cosine's would follow max_steps, which the first run shortens.
+    shared = [*TINY_MODEL, "--distributed.dp_shard=2", "--checkpoint.interval=0", "--scheduler.name=constant"]
+
+    def run(name: str, steps: int, *extra: str) -> dict[str, torch.Tensor]:
+        overrides = [*shared, f"--train.output_dir={out / name}", f"--train.max_steps={steps}", *extra]
+        assert train(load_config(out / "run.toml", overrides, manager.registry), manager).status == "completed"
+        return watch.whole
+
+    ends = {"straight": run("straight", 3)}
+    run("bucketed", 2, f"--checkpoint.dir={url}")  # its last step, 2, is saved to the bucket
+    bucket = url.removeprefix("s3://").partition("/")[0]
+    saved = _objects(bucket) if dist.get_rank() == 0 else None
+    ends["bucketed"] = run("bucketed", 3, f"--checkpoint.dir={url}")
+    if dist.get_rank() == 0:
+        (out / "saved_objects.json").write_text(json.dumps(saved))
+        for name, whole in ends.items():
+            torch.save(whole, out / f"{name}.pt")
+        losses = {
+            name: {step: m["loss"] for step, m in metrics_by_step(out / name).items() if "loss" in m} for name in ends
+        }
+        (out / "losses.json").write_text(json.dumps(losses))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # the multi-rank tests' ranks: torchrun runs this file
+    workers = {"reshard": _reshard_worker, "save": _save_worker}
+    sys.exit(workers[sys.argv[1]](Path(sys.argv[2]), sys.argv[3]))
