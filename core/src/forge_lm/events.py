@@ -11,19 +11,22 @@ dropped), except a hang and an error, which each rank records for itself; a plug
 are recorded on whichever rank records them. Each line goes out in one ``write`` on a file opened
 for appending, so lines from several ranks do not interleave. Recording never stops a run: a
 value JSON cannot hold is written as its ``repr``, and a log that cannot be written is
-reported once and then left alone.
+reported once and then left alone. Values are made plain by
+:func:`forge_lm.plain_data.to_plain`: non-finite numbers as strings (``"nan"``), anything nested
+deeper than :data:`forge_lm.plain_data.MAX_DEPTH` levels (a value holding itself) as a marker.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from forge_lm.notices import warn
+from forge_lm.plain_data import to_plain
 
 EVENTS_FILE = "events.jsonl"
 
@@ -65,7 +68,7 @@ class EventLog:
         if self._broken or (self.rank != 0 and type in EVENT_TYPES and type not in _EVERY_RANK):
             return
         line = {"time": round(time.time(), 3), "rank": self.rank, "step": self.step, "type": type}
-        line.update((str(key), _plain(value)) for key, value in fields.items() if key not in line)
+        line.update((str(key), to_plain(value)) for key, value in fields.items() if key not in line)
         data = (json.dumps(line, allow_nan=False) + "\n").encode()
         try:
             # O_NOFOLLOW: a link at events.jsonl fails (ELOOP, reported below) instead of being appended through.
@@ -76,10 +79,7 @@ class EventLog:
                 os.close(descriptor)
         except OSError as exc:
             self._broken = True
-            print(
-                f"forge: warning: cannot write the event log {self.path} ({exc}); events are not recorded",
-                file=sys.stderr,
-            )
+            warn(f"cannot write the event log {self.path} ({exc}); events are not recorded")
 
 
 _current: EventLog | None = None
@@ -110,7 +110,8 @@ def record(type: str, **fields: Any) -> None:
     """Record an event in the running training's log (nothing outside a run).
 
     ``type`` is one of :data:`EVENT_TYPES`, or ``<plugin>/<what>`` for a plugin's own events;
-    ``fields`` are JSON values (anything else is written as its ``repr``)."""
+    ``fields`` are JSON values (anything else is written as its ``repr``; see
+    :func:`forge_lm.plain_data.to_plain`)."""
     if not isinstance(type, str) or not (type in EVENT_TYPES or _PLUGIN_TYPE.fullmatch(type)):
         raise ValueError(
             f"event type {type!r} is neither one of Forge's ({', '.join(EVENT_TYPES)}) nor a plugin's own "
@@ -118,29 +119,6 @@ def record(type: str, **fields: Any) -> None:
         )
     if _current is not None:
         _current.record(type, **fields)
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as JSON can hold it: non-finite numbers as strings, unknown objects as repr."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, dict):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    item = getattr(value, "item", None)  # a one-element tensor or numpy number
-    if callable(item):
-        try:
-            number = item()
-        except (TypeError, ValueError, RuntimeError):
-            number = None
-        if isinstance(number, bool | int | float):
-            return _plain(number)
-    return repr(value)
 
 
 def exit_code_of(error: BaseException | None) -> int:

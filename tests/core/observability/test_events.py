@@ -18,6 +18,7 @@ import torch
 
 from forge_lm import events
 from forge_lm.errors import ConfigError
+from forge_lm.plain_data import DEEPER, MAX_DEPTH
 from forge_lm.plugins._calls import PLUGIN_HOOK_EXIT_CODE
 from forge_lm.train.resilience import NonFiniteLoss, Preempted
 from forge_lm.train.saving import SAVE_FAILED_EXIT_CODE, CheckpointSaveFailed
@@ -66,6 +67,17 @@ def test_values_json_cannot_hold_are_written_as_text_not_raised(log):
         "time": 0, "rank": 0, "step": 0, "type": "x/y", "nan": "nan", "inf": "-inf", "tensor": 1.5,
         "obj": "<opaque>", "path": "/a", "nested": {"1": [2]},
     }  # fmt: skip
+
+
+def test_a_value_holding_itself_is_cut_at_the_depth_limit_not_a_recursion_error(log):
+    looped: list = []
+    looped.append(looped)
+    events.record("x/y", loop=looped)
+    (line,) = lines(log)
+    inner = line["loop"]
+    for _ in range(MAX_DEPTH):  # the field's value is the top: MAX_DEPTH lists, then the marker
+        (inner,) = inner
+    assert inner == DEEPER
 
 
 def test_fields_cannot_overwrite_the_common_keys(log):

@@ -389,12 +389,21 @@ def test_each_plugin_gets_its_own_copy_of_the_metrics():
     assert given == {"loss": 1.0}
 
 
+def _nested(levels: int) -> list:
+    """A list ``levels`` lists deep: ``[[...[]...]]``."""
+    nested: list = []
+    for _ in range(levels - 1):
+        nested = [nested]
+    return nested
+
+
 @pytest.mark.parametrize(
     ("state", "problem"),
     [
         (object(), "'state' is a object; checkpoints keep tensors and plain data only"),
         ({"a": {"b": {1, 2}}}, "'state['a']['b']' is a set; checkpoints keep tensors and plain data only"),
         ({(1, 2): 3}, "'state' has the key (1, 2), not a string or an integer"),
+        ({"k": _nested(65)}, "'state['k']" + "[0]" * 63 + "' is nested more than 64 levels deep"),
     ],
 )
 def test_a_state_a_checkpoint_cannot_keep_is_the_plugins_failure(state, problem):
@@ -424,7 +433,7 @@ def test_a_self_referencing_state_is_refused_not_a_recursion_error():
         def forge_lm_save_state(self):
             return {"loop": looped}
 
-    with pytest.raises(PluginHookFailed, match="is nested more than 100 levels deep"):
+    with pytest.raises(PluginHookFailed, match=r"'state\['loop'\]\[0\]' contains itself \(a cycle\)"):
         faulty_manager(("faults", Saves())).save_states(None)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from forge_lm.checkpoint._safe import DamagedCheckpointError, StepFiles
+from forge_lm.plain_data import MAX_DEPTH
 
 TRAINER_STATE = "trainer_state.json"
 MAX_STATE_BYTES = 256 * 1024 * 1024
@@ -86,7 +87,7 @@ def _check_rng(rng: dict[str, Any]) -> None:
 
 
 def _check_tensor_references(tree: Any, where: str, depth: int = 0) -> None:
-    _require(depth < 64, f"{where} is nested too deeply")
+    _require(depth < MAX_DEPTH, f"{where} is nested too deeply")
     if isinstance(tree, dict):
         if "__tensor__" in tree:
             _require(set(tree) == {"__tensor__"} and isinstance(tree["__tensor__"], str), f"{where} has a bad tensor")
@@ -105,7 +106,7 @@ def check_like(saved: Any, current: Any, what: str, depth: int = 0, *, equal_len
     may differ in length, their items checked against the first live item. With
     ``equal_lengths`` (state with one entry per parameter group, such as a scheduler's) every
     list must have its live list's length."""
-    _require(depth < 64, f"{what} is nested too deeply")
+    _require(depth < MAX_DEPTH, f"{what} is nested too deeply")
     if isinstance(current, dict):
         _require(isinstance(saved, dict), f"{what} is not a JSON object")
         _require(set(saved) == set(current), f"{what} has keys {sorted(saved)[:6]}, expected {sorted(current)[:6]}")

@@ -17,18 +17,17 @@ import contextlib
 import numbers
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 from forge_lm.errors import ForgeError
+from forge_lm.notices import warn  # noqa: F401 - the plugin manager warns through it
+from forge_lm.plain_data import find_not_plain, short_repr
 from forge_lm.plugins._model import PluginInfo
 
 PLUGIN_HOOK_EXIT_CODE = 4
 """Exit code of ``forge train`` when a plugin's training hook failed (see hookspecs)."""
-
-_MAX_DEPTH = 100  # nesting allowed in a plugin's checkpoint state (a cycle would be infinite)
 
 
 class PluginHookFailed(ForgeError):
@@ -205,7 +204,7 @@ def checked_metrics(value: object, reserved: Collection[str]) -> tuple[dict[str,
     problems: list[str] = []
     for key, number in value.items():
         if not isinstance(key, str) or not key:
-            problems.append(f"key {_short(key)} is not a non-empty string")
+            problems.append(f"key {short_repr(key)} is not a non-empty string")
         elif key in reserved:
             problems.append(f"'{key}' would overwrite the core's own metric")
         elif isinstance(number, bool) or not isinstance(number, numbers.Real):
@@ -219,41 +218,13 @@ def checked_metrics(value: object, reserved: Collection[str]) -> tuple[dict[str,
     return good, problems
 
 
-def checkpoint_problem(value: object, path: str, depth: int = 0) -> str | None:
+def checkpoint_problem(value: object, path: str) -> str | None:
     """What in ``value`` a checkpoint cannot keep, or None: tensors and plain data (None,
     bool, int, float, str, lists, tuples, dicts with str or int keys) only, as
-    :mod:`forge_lm.checkpoint` stores them without pickling."""
-    torch = sys.modules.get("torch")
-    if value is None or isinstance(value, bool | int | float | str):
+    :mod:`forge_lm.checkpoint` stores them without pickling; nested at most
+    :data:`forge_lm.plain_data.MAX_DEPTH` levels, and containing no cycle."""
+    found = find_not_plain(value, tensors=True, int_keys=True, non_finite=True)
+    if found is None:
         return None
-    if torch is not None and isinstance(value, torch.Tensor):
-        return None
-    if depth >= _MAX_DEPTH:
-        return f"'{path}' is nested more than {_MAX_DEPTH} levels deep"
-    if isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            problem = checkpoint_problem(item, f"{path}[{index}]", depth + 1)
-            if problem:
-                return problem
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(key, bool) or not isinstance(key, str | int):
-                return f"'{path}' has the key {_short(key)}, not a string or an integer"
-            problem = checkpoint_problem(item, f"{path}[{key!r}]", depth + 1)
-            if problem:
-                return problem
-        return None
-    return f"'{path}' is a {type(value).__name__}; checkpoints keep tensors and plain data only"
-
-
-def _short(value: object) -> str:
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001 - an object from a plugin may fail even to describe itself
-        text = f"<a {type(value).__name__}>"
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def warn(message: str) -> None:
-    print(f"forge: warning: {message}", file=sys.stderr, flush=True)
+    suffix = "; checkpoints keep tensors and plain data only" if found.kind == "type" else ""
+    return f"'{found.at(path, subscripts=True)}' {found.reason}{suffix}"

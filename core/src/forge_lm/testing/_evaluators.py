@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from forge_lm.components import ReportsResults
+from forge_lm.plain_data import find_not_plain
 from forge_lm.testing._kit import Subject, category_check, skip_check
 
 STEP = 10
@@ -166,8 +167,6 @@ def check_reported_results_are_plain_data(subject: Subject) -> None:
     """A :class:`~forge_lm.components.ReportsResults` evaluator's ``results`` after an ``evaluate``
     that ran (returned metrics; up to 3 calls, for one that runs every k-th evaluation) are a
     mapping a JSON file can hold, and its ``table`` a string (``forge eval`` writes and prints them)."""
-    import json
-
     with tempfile.TemporaryDirectory(prefix="forge-kit-evaluator-") as run_dir:
         context = _context(subject, Path(run_dir))
         evaluator = subject.build(context)
@@ -186,11 +185,9 @@ def check_reported_results_are_plain_data(subject: Subject) -> None:
         f"{subject.label}: after an evaluate that returned metrics, results is {type(results).__name__}; the kit "
         "expects a mapping of that evaluation's results"
     )
-    try:
-        json.dumps(results, allow_nan=True, default=None)
-    except (TypeError, ValueError) as exc:
-        raise AssertionError(
-            f"{subject.label}: results cannot be written as JSON ({exc}); the kit expects plain data (str, numbers, "
-            "bools, None, lists and str-keyed mappings)"
-        ) from None
+    found = find_not_plain(dict(results), non_finite=True)  # an undefined metric may be NaN
+    assert found is None, (
+        f"{subject.label}: results cannot be written as JSON ({found.describe('results', subscripts=True)}); the kit "
+        "expects plain data (str, numbers, bools, None, lists and str-keyed mappings)"
+    )
     assert isinstance(table, str), f"{subject.label}: table is {type(table).__name__}; the kit expects a str"

@@ -21,7 +21,6 @@ as a bug in Forge. Plugin states follow no shape rule: their ``load_state`` chec
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from forge_lm.distributed.compression import compressor_of
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.model.freezing import staged_parameters_trainable
 from forge_lm.notices import warn
+from forge_lm.plain_data import copy_containers, find_not_plain
 from forge_lm.plugins import PluginHookFailed, PluginManager, PluginStatus
 from forge_lm.train.resume_rules import CONFIG_FILE, FIXED_ON_RESUME, differences
 
@@ -48,7 +48,6 @@ PLAIN_RULE = (
 # The hook a failed check is reported under: the failure is in saving state, so the loop's stop
 # (train.ending.stop_for_plugin) keeps the checkpoint that exists instead of trying this save again.
 _SAVE_HOOK = "forge_lm_save_state"
-_MAX_DEPTH = 64  # as check_like allows
 
 
 class ComponentStateBug(ForgeError):
@@ -62,8 +61,8 @@ class StateShapes:
     component changing the dict its ``state_dict()`` handed out does not change the reference."""
 
     def __init__(self, scheduler: Any, train_batches: BatchLoader) -> None:
-        self.scheduler = _snapshot(scheduler.state_dict())
-        self.data = _snapshot(train_batches.state_dict())
+        self.scheduler = copy_containers(scheduler.state_dict())
+        self.data = copy_containers(train_batches.state_dict())
 
 
 def save_run(
@@ -242,7 +241,7 @@ def _check_state(
     """``state`` is plain JSON data with the shape of ``reference`` (check_like, with the options
     restore_run uses); else the run stops, blaming the component of ``category`` (None: the core's
     data loader)."""
-    problem, rule = _plain_problem(state, "state_dict()"), PLAIN_RULE
+    problem, rule = _plain_problem(state), PLAIN_RULE
     if problem is None:
         rule = SHAPE_RULE
         try:
@@ -268,42 +267,12 @@ def _check_state(
     )
 
 
-def _plain_problem(value: Any, where: str, depth: int = 0) -> str | None:
-    """What in ``value`` (a component's state) is not plain JSON data, or None; its top is a dict."""
-    if depth == 0 and not isinstance(value, dict):
-        return f"{where} is a {type(value).__name__}, not a dict"
-    if depth >= _MAX_DEPTH:
-        return f"{where} is nested more than {_MAX_DEPTH} levels deep"
-    if value is None or isinstance(value, bool | int | str):
-        return None
-    if isinstance(value, float):
-        return None if math.isfinite(value) else f"{where} is {value}, not a finite number"
-    if isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            problem = _plain_problem(item, f"{where}[{index}]", depth + 1)
-            if problem:
-                return problem
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                return f"{where} has the key {key!r}, not a string"
-            problem = _plain_problem(item, f"{where}.{key}", depth + 1)
-            if problem:
-                return problem
-        return None
-    return f"{where} is a {type(value).__name__}"
-
-
-def _snapshot(state: Any, depth: int = 0) -> Any:
-    """A copy of ``state``'s containers (the reference must not change when the live state does)."""
-    if depth >= _MAX_DEPTH:
-        return state
-    if isinstance(state, dict):
-        return {key: _snapshot(value, depth + 1) for key, value in state.items()}
-    if isinstance(state, list | tuple):
-        return [_snapshot(value, depth + 1) for value in state]
-    return state
+def _plain_problem(state: Any) -> str | None:
+    """What in ``state`` (a component's state) is not plain JSON data, or None; its top is a dict."""
+    if not isinstance(state, dict):
+        return f"state_dict() is a {type(state).__name__}, not a dict"
+    found = find_not_plain(state)  # finite numbers, string keys, MAX_DEPTH levels at most
+    return None if found is None else found.describe("state_dict()")
 
 
 def _check_fixed_settings(state: dict[str, Any], context: Any, manager: PluginManager) -> None:
