@@ -20,7 +20,6 @@ import concurrent.futures
 import contextlib
 import json
 import math
-import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -50,6 +49,7 @@ from forge_lm.checkpoint._tree import merge_rank_skeletons, split
 from forge_lm.checkpoint._validate import owner_of, place_problem
 from forge_lm.distributed.reduce import any_rank, barrier, distributed, rank
 from forge_lm.errors import ForgeError
+from forge_lm.notices import warn
 
 
 class SavingCheckpoints(FindingCheckpoints):
@@ -164,11 +164,9 @@ class SavingCheckpoints(FindingCheckpoints):
             if interrupt is None and attempt < self.store.attempts:
                 if main:
                     why = describe(error) if error is not None else "it failed on another rank"
-                    print(
-                        f"forge: warning: writing checkpoint '{path}' failed ({why}); trying again "
-                        f"({attempt + 1} of {self.store.attempts})",
-                        file=sys.stderr,
-                        flush=True,
+                    warn(
+                        f"writing checkpoint '{path}' failed ({why}); trying again "
+                        f"({attempt + 1} of {self.store.attempts})"
                     )
                 time.sleep(self.store.retry_wait(attempt))
                 attempt += 1

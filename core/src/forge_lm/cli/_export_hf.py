@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from pathlib import Path
 
 HELP = "export a checkpoint and its tokenizer for Hugging Face (Llama, Qwen3, or what a plugin converts it to)"
@@ -68,6 +67,7 @@ def run(args, overrides, plugins) -> int:
         export_with_plugins,
         refuse_export_links,
     )
+    from forge_lm.notices import warn
     from forge_lm.tokenizers.hf_export import TOKENIZER_FILE, hf_tokenizer_files, is_same_file, save_hf_tokenizer
     from forge_lm.train.inference import load_for_inference
 
@@ -100,9 +100,8 @@ def run(args, overrides, plugins) -> int:
         print(f"wrote a Hugging Face {architecture} and its tokenizer to {out}")
     else:
         print(f"wrote a Hugging Face {architecture} to {out}")
-        print(
-            f"forge: warning: the run's tokenizer '{config.tokenizer.name}' has no Hugging Face form Forge knows; "
-            f"{out} holds no tokenizer",
-            file=sys.stderr,
+        warn(
+            f"the run's tokenizer '{config.tokenizer.name}' has no Hugging Face form Forge knows; "
+            f"{out} holds no tokenizer"
         )
     return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from forge_lm.errors import ForgeError, UsageError
+from forge_lm.notices import warn
 from forge_lm.plugins import (
     ENV_ALLOW,
     ENV_BLOCK,
@@ -71,7 +72,7 @@ def build_parser(manager: PluginManager | None = None, *, only: str | None = Non
             try:
                 _add_plugin_command(commands, command)
             except ForgeError as exc:  # one plugin's broken command does not take the others' help away
-                print(f"forge: warning: {exc}", file=sys.stderr)
+                warn(str(exc))
     return parser
 
 
@@ -252,7 +253,7 @@ def plugin_manager(args: argparse.Namespace) -> PluginManager:
     )
     manager = PluginManager(settings)
     for warning in manager.warnings:
-        print(f"forge: warning: {warning}", file=sys.stderr)
+        warn(str(warning))
     return manager
 
 

@@ -11,10 +11,10 @@ depend on metrics, so nothing is lost that a resume could not give back.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from forge_lm.notices import warn
 from forge_lm.plugins._calls import describe
 
 
@@ -65,4 +65,4 @@ class GuardedBackend:
                 else "it is off for the rest of this run; training and the other metrics backends go on"
             )
             message = f"{self.label} failed in {what}: {describe(exc)}; {then}"
-            print(f"forge: warning: {message}", file=sys.stderr, flush=True)
+            warn(message)

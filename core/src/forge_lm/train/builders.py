@@ -6,7 +6,6 @@ here names a concrete component."""
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from forge_lm.components import DataContext, EvaluatorContext, MetricsContext
 from forge_lm.config import ComponentConfig, ForgeConfig, model_options
 from forge_lm.metrics.guard import GuardedBackend
+from forge_lm.notices import warn
 from forge_lm.plugins import Registry
 from forge_lm.plugins._calls import (
     PluginHookFailed,
@@ -102,18 +102,16 @@ class CheckedEvaluator:
             good, problems = {}, [f"an unreadable {type(returned).__name__} ({describe(exc)})"]
         if problems and self._warn:
             self._warn = False
-            print(
-                f"forge: warning: {self.label} returned unusable metrics: {'; '.join(problems)}. They are left out "
-                "(this warning is not repeated); the run goes on.",
-                file=sys.stderr,
+            warn(
+                f"{self.label} returned unusable metrics: {'; '.join(problems)}. They are left out "
+                "(this warning is not repeated); the run goes on."
             )
         undefined = [key for key, value in good.items() if not math.isfinite(value)]
         if undefined and self._warn_nan:
             self._warn_nan = False
-            print(
-                f"forge: warning: {self.label} returned {good[undefined[0]]} for '{undefined[0]}' at step {step}; "
-                "logged as it is (this warning is not repeated)",
-                file=sys.stderr,
+            warn(
+                f"{self.label} returned {good[undefined[0]]} for '{undefined[0]}' at step {step}; "
+                "logged as it is (this warning is not repeated)"
             )
         return good
 

@@ -13,7 +13,6 @@ directory).
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from forge_lm.config import CheckpointSection, load_config, model_options, read_
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.model import build_model
 from forge_lm.model.memory import loading_shortfall
+from forge_lm.notices import warn
 from forge_lm.train.run_dir import CONFIG_FILE
 
 
@@ -54,7 +54,7 @@ def load_for_inference(path: str | Path, manager: Any) -> tuple[torch.nn.Module,
     if state is None:
         raise ForgeError(f"run directory '{run_dir}' has no checkpoint yet; train it first.")
     for skipped in state["passed_over"]:
-        print(f"forge: warning: passed over checkpoint {skipped}", file=sys.stderr)
+        warn(f"passed over checkpoint {skipped}")
     return model.eval(), config, tokenizer
 
 
@@ -74,7 +74,7 @@ def locate_checkpoint(path: str | Path) -> tuple[Path, Path, int | None]:
                 return path / CHECKPOINTS / candidate.name, path, step_of(candidate)
             if problem.startswith("UNSAFE"):
                 break
-            print(f"forge: warning: passed over checkpoint {candidate.name}: {problem}", file=sys.stderr)
+            warn(f"passed over checkpoint {candidate.name}: {problem}")
     return path, path, None
 
 

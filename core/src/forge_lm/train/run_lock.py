@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from forge_lm.errors import ForgeError
+from forge_lm.notices import warn
 
 try:
     import fcntl
@@ -237,8 +238,4 @@ def _takeover_warning(run_dir: Path, holder: dict[str, Any]) -> None:
     who = f"pid {holder['pid']}" if "pid" in holder else "an unknown process (unreadable lock file)"
     where = f" on host {holder['host']}" if "host" in holder else ""
     since = f" since {holder['started']}" if "started" in holder else ""
-    print(
-        f"forge: warning: taking over the stale lock of {who}{where}{since} in '{run_dir}': that run has ended.",
-        file=sys.stderr,
-        flush=True,
-    )
+    warn(f"taking over the stale lock of {who}{where}{since} in '{run_dir}': that run has ended.")

@@ -25,7 +25,6 @@ stop together.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +32,7 @@ from forge_lm import events
 from forge_lm.checkpoint import CheckpointSaveError, NonFiniteWeights
 from forge_lm.distributed.reduce import any_rank
 from forge_lm.errors import ForgeError
+from forge_lm.notices import warn
 from forge_lm.train.resilience import NonFiniteLoss
 
 SAVE_FAILED_EXIT_CODE = 5
@@ -86,11 +86,9 @@ class SavePolicy:
             )
             then = " Then run the same command to resume." if retry else ""
             raise CheckpointSaveFailed(f"{problem} Stopping: {reason}.{then}")
-        print(
-            f"forge: warning: {problem} Training goes on and the next checkpoint interval tries again "
-            f"({self.failed_in_a_row} of {self.max_failed_saves} failures in a row allowed).",
-            file=sys.stderr,
-            flush=True,
+        warn(
+            f"{problem} Training goes on and the next checkpoint interval tries again "
+            f"({self.failed_in_a_row} of {self.max_failed_saves} failures in a row allowed)."
         )
 
     def _weights_not_finite(self, error: NonFiniteWeights) -> None:
@@ -106,12 +104,7 @@ class SavePolicy:
                     f"{what}; resilience.nan_policy = 'rollback' but there is no checkpoint to roll back to. Lower "
                     "the learning rate or check the optimizer, then start the run again."
                 )
-            print(
-                f"forge: warning: {what}; rolled back to step {step} (the newest checkpoint) and going on past the "
-                "data read since",
-                file=sys.stderr,
-                flush=True,
-            )
+            warn(f"{what}; rolled back to step {step} (the newest checkpoint) and going on past the data read since")
             return
         events.record("checkpoint_failed", checkpoint=error.checkpoint, reason=error.reason, action="stop")
         if self.nan_policy == "rollback":
