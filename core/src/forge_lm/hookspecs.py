@@ -425,7 +425,9 @@ def forge_lm_save_state(context: Any) -> dict[str, Any] | None:
     """Return this plugin's state to store in the checkpoint, or None.
 
     Plain data and tensors only: checkpoints are loaded without unpickling arbitrary
-    objects. The core stores each plugin's state under the plugin's name.
+    objects. Dict keys are strings or integers; containers nest at most 64 levels
+    (``forge_lm.plain_data.MAX_DEPTH``) and never hold themselves. The core stores each
+    plugin's state under the plugin's name.
     """
 
 
