@@ -19,7 +19,6 @@ reports no checkpoint, so that the run starts from step 0.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +40,7 @@ from forge_lm.components import EvolvingGroupKeys
 from forge_lm.distributed.reduce import any_rank, barrier, distributed, from_rank0, rank
 from forge_lm.errors import ForgeError
 from forge_lm.model.freezing import staged_as_saved
+from forge_lm.notices import warn
 
 
 class LoadingCheckpoints(FindingCheckpoints):
@@ -69,7 +69,7 @@ class LoadingCheckpoints(FindingCheckpoints):
         self._check_root()
         named, ignored = self._latest()
         if ignored and rank() == 0:
-            print(f"forge: warning: {self.root}/{LATEST}: {ignored.removeprefix(LATEST + ': ')}", file=sys.stderr)
+            warn(f"{self.root}/{LATEST}: {ignored.removeprefix(LATEST + ': ')}")
         passed_over = []
         names = [self.store.name_of(only)] if only is not None else self._step_names()
         cut = [name for name in names if name is not None and self._cut_short(name)]
@@ -93,11 +93,10 @@ class LoadingCheckpoints(FindingCheckpoints):
             path = self.store.location(name)
             self._restored = path
             if named is not None and named != path and rank() == 0 and int(named.name[5:]) < int(name[5:]):
-                print(
-                    f"forge: warning: checkpoint {name} is newer than the one {CHECKPOINTS}/{LATEST} names "
+                warn(
+                    f"checkpoint {name} is newer than the one {CHECKPOINTS}/{LATEST} names "
                     f"({named.name}); using {name} (a save finished but {LATEST} was not switched, or "
-                    f"{LATEST} was edited)",
-                    file=sys.stderr,
+                    f"{LATEST} was edited)"
                 )
             return state
         if passed_over and (only is not None or len(cut) < len(passed_over)):
@@ -120,14 +119,11 @@ class LoadingCheckpoints(FindingCheckpoints):
         try:
             self.store.rename(name, aside)
         except self.store.failures as exc:
-            print(
-                f"forge: warning: could not move '{self.store.location(name)}' aside: {describe(exc)}", file=sys.stderr
-            )
+            warn(f"could not move '{self.store.location(name)}' aside: {describe(exc)}")
             return
-        print(
-            f"forge: warning: {name} is not a checkpoint: its save was cut short ({TRAINER_STATE} is missing); "
-            f"moved it aside to '{self.store.location(aside)}'",
-            file=sys.stderr,
+        warn(
+            f"{name} is not a checkpoint: its save was cut short ({TRAINER_STATE} is missing); "
+            f"moved it aside to '{self.store.location(aside)}'"
         )
 
     def _prepare(self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
