@@ -5,9 +5,9 @@ files would make Forge work outside the run: a ``.lock`` or ``metrics.jsonl`` li
 file gets that file overwritten or appended to, and a ``checkpoints`` linked to another run's
 resumes from that run and then prunes its checkpoints. So the run's own entries that are links
 are refused, naming the link and the fix (:func:`refuse_links`, exit 2, before anything is
-written), files are written whole without following a link (:func:`write_text`, by
-:mod:`forge_lm.safe_write`'s rule) or opened with ``O_NOFOLLOW`` (:func:`open_to_write`), and the folders Forge
-creates in the run (``eval/``, ``hang/``, ``profiles/``) are created level by level, refusing
+written), files are written whole without following a link (:func:`write_text`, by the rule
+of :mod:`forge_lm.safe_write`) or opened with ``O_NOFOLLOW`` (:func:`open_to_write`), and the
+folders Forge creates in the run (``eval/``, ``hang/``, ``profiles/``) are created level by level, refusing
 one that is a link (:func:`make_dirs`). The run directory itself may be a link
 (``runs -> /scratch/runs``): only what is inside it is checked.
 """
@@ -74,5 +74,5 @@ def write_text(path: Path, text: str, *, new: bool = False) -> None:
     (:func:`forge_lm.safe_write.write_atomically`): a reader, or a run resumed after a crash,
     finds the old file or the new one. A link at ``path`` is refused (``OSError`` ELOOP, as
     :func:`open_to_write`); with ``new``, anything already there, a dangling link included, is
-    (``FileExistsError``)."""
+    refused (``FileExistsError``) and left as it is."""
     write_atomically(path, text, new=new)
