@@ -87,6 +87,7 @@ def worker(out: Path, steps: int, dim: int) -> None:
 
     from forge_lm.config import load_config
     from forge_lm.plugins import PluginManager, PluginSettings
+
     try:  # the run's parts, as forge train builds them (moved out of the loop's module by its refactoring)
         from forge_lm.train.parts import build_parts
     except ImportError:

@@ -75,7 +75,7 @@ def test_a_link_at_the_target_is_refused_as_o_nofollow_refuses_it(folder, victim
         lambda: write_atomically(link, "new"),
         lambda: replacing(link).__enter__(),
     ):
-        with pytest.raises(OSError) as caught:
+        with pytest.raises(OSError, match="symbolic links") as caught:
             write()
         assert caught.value.errno == errno.ELOOP
         assert caught.value.filename == str(link)
@@ -152,9 +152,14 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(folder, monkeyp
 def test_an_error_inside_the_block_keeps_the_old_file(folder):
     target = folder / "model.safetensors"
     target.write_bytes(b"old weights")
-    with pytest.raises(RuntimeError, match="writer broke"), replacing(target) as partial:
-        partial.write_bytes(b"half")
-        raise RuntimeError("writer broke")
+
+    def write_then_break() -> None:
+        with replacing(target) as partial:
+            partial.write_bytes(b"half")
+            raise RuntimeError("writer broke")
+
+    with pytest.raises(RuntimeError, match="writer broke"):
+        write_then_break()
     assert target.read_bytes() == b"old weights"
     assert _names(folder) == ["model.safetensors"]
 
@@ -189,7 +194,8 @@ def test_durable_writes_fsync_the_file_before_the_rename_then_the_directory(fold
         partial.write_bytes(b"w")
     assert len(calls) == 4
     for file_call, dir_call in (calls[0:2], calls[2:4]):
-        assert Path(file_call).parent == folder and Path(file_call).name.endswith(PARTIAL_SUFFIX)
+        assert Path(file_call).parent == folder
+        assert Path(file_call).name.endswith(PARTIAL_SUFFIX)
         assert dir_call == str(folder)
     assert renamed == [1, 3]  # each rename after its file's fsync, before its directory's
 
