@@ -225,7 +225,7 @@ def test_cpu_cache_key_names_the_cpu_threads_torch_and_dtype(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_model", lambda: "Example CPU @ 3.0GHz")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 6)
 
-    expected = f"Example CPU @ 3.0GHz | threads=6 | torch={torch.__version__} | bf16 | torch.mm"
+    expected = f"Example CPU @ 3.0GHz | threads=6 | torch={torch.__version__} | bf16 | torch.mm+F.linear"
     assert cpu_cache_key(torch.bfloat16) == expected
     # the kernels measured are part of the key: a peak cached before oneDNN joined is not reused
     assert cpu_cache_key(torch.float32).endswith("| fp32 | " + "+".join(measured_peak.matmul_kernels(torch.float32)))
@@ -315,7 +315,7 @@ def test_fp32_measures_the_onednn_product_of_forge_linear_layers():
 
     kernels = measured_peak.matmul_kernels(torch.float32)
     assert ("oneDNN linear" in kernels) == onednn_available()
-    assert list(measured_peak.matmul_kernels(torch.bfloat16)) == ["torch.mm"]
+    assert "oneDNN linear" not in measured_peak.matmul_kernels(torch.bfloat16)
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     for product in kernels.values():  # every kernel computes the same product's FLOPs: a @ b (or b.T)
         out = product(a, b)
@@ -583,19 +583,20 @@ def test_the_cpu_fp16_peak_is_measured_on_float16_products_and_cached_apart(cach
     assert cpu_cache_key(torch.float16).endswith(" | fp16 | torch.mm+F.linear")
 
 
-def test_fp16_measures_the_layout_of_a_linear_layer_too(monkeypatch):
-    """torch emulates fp16 products on CPUs without fp16 units, and a linear layer's ``a @ b.T``
-    runs faster there than ``a @ b``: the peak is the faster (an MFU against the slower would
-    exceed 1). Each kernel gets float16 matrices and computes the product's FLOPs."""
-    kernels = measured_peak.matmul_kernels(torch.float16)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precisions_measure_the_layout_of_a_linear_layer_too(monkeypatch, dtype):
+    """torch emulates fp16 and bf16 products on CPUs without such units, and a linear layer's
+    ``a @ b.T`` runs faster there than ``a @ b``: the peak is the faster (an MFU against the slower
+    would exceed 1). Each kernel gets matrices of ``dtype`` and computes the product's FLOPs."""
+    kernels = measured_peak.matmul_kernels(dtype)
     assert list(kernels) == ["torch.mm", "F.linear"]
-    a, b = torch.randn(32, 32).half(), torch.randn(32, 32).half()
+    a, b = torch.randn(32, 32).to(dtype), torch.randn(32, 32).to(dtype)
     assert torch.equal(kernels["F.linear"](a, b), torch.nn.functional.linear(a, b))
     seen = []
     fakes = {name: (lambda a, b, name=name: seen.append((name, a.dtype, b.dtype)) or a) for name in kernels}
     monkeypatch.setattr(measured_peak, "matmul_kernels", lambda dtype: fakes)
-    measured_peak._matmul_rate(64, torch.float16, repeats=2)
-    assert {(a_dtype, b_dtype) for _, a_dtype, b_dtype in seen} == {(torch.float16, torch.float16)}
+    measured_peak._matmul_rate(64, dtype, repeats=2)
+    assert {(a_dtype, b_dtype) for _, a_dtype, b_dtype in seen} == {(dtype, dtype)}
     assert {name for name, _, _ in seen} == {"torch.mm", "F.linear"}
 
 

@@ -165,14 +165,15 @@ def _matmul_rate(size: int, dtype: torch.dtype, repeats: int) -> float:
 def matmul_kernels(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """The CPU matrix-product kernels measured for the peak of ``dtype``, by name: torch.mm,
     and in fp32 the oneDNN product of Forge's linear layers (forge_lm.model.linear) where this
-    torch build has it. In bf16 torch.mm already runs on oneDNN. In fp16, ``F.linear`` too
-    (``a @ b.T``, a linear layer's product under fp16 autocast): on a CPU without fp16 matrix
-    instructions torch emulates fp16 products, and that layout ran 4.7x faster than torch.mm's
-    ``a @ b`` (6.7 against 1.4 GFLOP/s at 512, one thread, AMD EPYC with AVX2)."""
+    torch build has it. In bf16 and fp16, ``F.linear`` too (``a @ b.T``, a linear layer's product
+    under autocast): on a CPU without bf16 or fp16 matrix instructions torch emulates those
+    products, and the linear layout ran far faster than torch.mm's ``a @ b`` (at 512, one thread,
+    AMD EPYC with AVX2: fp16 6.7 against 1.4 GFLOP/s, bf16 about 11-15 against 1.7), so a peak
+    of torch.mm alone would put MFU above 1."""
     kernels: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"torch.mm": torch.mm}
     if dtype == torch.float32 and onednn_available():
         kernels["oneDNN linear"] = lambda a, b: torch.ops.forge.onednn_linear(a, b)
-    if dtype == torch.float16:
+    if dtype in (torch.bfloat16, torch.float16):
         kernels["F.linear"] = torch.nn.functional.linear
     return kernels
 
