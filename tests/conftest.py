@@ -23,6 +23,17 @@ def _no_plugin_switches_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
             monkeypatch.delenv(name)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _ctrl_c_as_in_a_terminal() -> None:
+    """Python's own Ctrl-C handling in this process and the commands it starts, even where pytest
+    was started with SIGINT ignored (a background job of a non-interactive shell): the Ctrl-C
+    tests send real SIGINTs, which an inherited "ignore" would swallow."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture
 def manager() -> PluginManager:
     """A plugin manager with the built-ins only (third-party autoloading off)."""

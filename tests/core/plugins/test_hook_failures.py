@@ -578,6 +578,22 @@ def test_keyboard_interrupt_raised_by_a_hook_without_a_ctrl_c_is_the_plugins_fai
     assert faults.calls[-1] == ("train_end", "failed")
 
 
+def test_with_sigint_ignored_a_hooks_keyboard_interrupt_is_still_the_plugins_failure(forge, run_dir):
+    # A background job of a non-interactive shell (nohup forge train ... &) ignores SIGINT: no
+    # Ctrl-C can arrive, so a KeyboardInterrupt is the plugin's own (exit 4), not the user's (130).
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code, err = forge(faulty_manager(("faults", Faults("step_end", at=2, error=KeyboardInterrupt()))))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+    assert code == 4
+    assert first_forge_line(err).startswith(f"forge: error: {LABEL} raised in forge_lm_step_end: KeyboardInterrupt")
+    assert latest(run_dir) == "step_2"
+
+
 # -- train_end: a warning; the run's outcome stands ---------------------------------------------------
 
 

@@ -83,7 +83,16 @@ def noting_ctrl_c() -> Iterator[None]:
     """While inside, a real Ctrl-C (SIGINT) is noted before it raises ``KeyboardInterrupt`` as
     usual, so that one a plugin raises itself is told apart (:func:`from_the_user`) and reported
     as that plugin's failure. Installed by ``forge`` for a command's run, in the main thread,
-    only over Python's default handler."""
+    only over Python's default handler. Where SIGINT is ignored (a background job of a
+    non-interactive shell, ``nohup ... &``), no Ctrl-C can arrive: every ``KeyboardInterrupt``
+    is then raised by code, so none is taken for the user's."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        _CtrlC.installed, _CtrlC.received = True, False
+        try:
+            yield
+        finally:
+            _CtrlC.installed = False
+        return
     if threading.current_thread() is not threading.main_thread() or (
         signal.getsignal(signal.SIGINT) is not signal.default_int_handler
     ):
