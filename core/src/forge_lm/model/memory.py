@@ -76,14 +76,6 @@ OPTIMIZER_STATES_ATTRIBUTE = "FORGE_LM_OPTIMIZER_STATES"
 """Where an optimizer's options class declares how many state tensors, each the size of its parameter,
 the optimizer keeps per parameter (:class:`forge_lm.components.DeclaresOptimizerStates`)."""
 
-KNOWN_OPTIMIZER_STATES: dict[tuple[str, str], float] = {
-    ("forge-lm", "adamw"): 2,  # exp_avg, exp_avg_sq
-    ("forge-lm", "lion"): 1,  # exp_avg
-    ("forge-lm", "schedule_free_adamw"): 2,  # z, exp_avg_sq
-}
-"""State tensors per parameter of optimizers that do not declare :data:`OPTIMIZER_STATES_ATTRIBUTE`,
-by (distribution, name)."""
-
 DEFAULT_OPTIMIZER_STATES = 2.0
 """For an optimizer Forge knows nothing about: Adam's two moments, the most common case."""
 
@@ -288,11 +280,10 @@ def _family_defaults(section: ComponentConfig, registry: Any) -> Any:
 
 def optimizer_states(component: Any) -> float:
     """State tensors per parameter the optimizer ``component`` keeps: what its options class
-    declares in :data:`OPTIMIZER_STATES_ATTRIBUTE`, else :data:`KNOWN_OPTIMIZER_STATES`, else
+    declares in :data:`OPTIMIZER_STATES_ATTRIBUTE` (the built-in optimizers do too), else
     :data:`DEFAULT_OPTIMIZER_STATES`."""
     if not isinstance(component.options_class, DeclaresOptimizerStates):
-        known = KNOWN_OPTIMIZER_STATES.get((component.plugin.distribution, component.name))
-        return float(DEFAULT_OPTIMIZER_STATES if known is None else known)
+        return DEFAULT_OPTIMIZER_STATES
     declared = component.options_class.FORGE_LM_OPTIMIZER_STATES
     if isinstance(declared, bool) or not isinstance(declared, int | float) or not 0 <= declared < math.inf:
         raise PluginError(

@@ -6,7 +6,7 @@ Named by import path at registration, so that listing plugins imports none of th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -33,6 +33,9 @@ def _adam_betas(instance: Any, attribute: Any, value: tuple[float, float]) -> No
 
 @attrs.define
 class AdamWOptions(LearningRateOptions):
+    # State tensors per parameter (forge_lm.components.DeclaresOptimizerStates): exp_avg, exp_avg_sq.
+    FORGE_LM_OPTIMIZER_STATES: ClassVar[float] = 2
+
     betas: tuple[float, float] = attrs.field(default=(0.9, 0.95), validator=_adam_betas)
     eps: float = attrs.field(default=1e-8, validator=positive)
     weight_decay: float = attrs.field(default=0.1, validator=non_negative)
@@ -44,6 +47,8 @@ class AdamWOptions(LearningRateOptions):
 
 @attrs.define
 class LionOptions(LearningRateOptions):
+    FORGE_LM_OPTIMIZER_STATES: ClassVar[float] = 1  # exp_avg
+
     # Lion's sign update moves every coordinate by lr, so it wants a smaller lr than AdamW and
     # a larger decay (Chen et al. 2023: 3-10x each); these keep AdamW's lr * weight_decay.
     lr: float = attrs.field(default=1e-4, validator=positive)
@@ -54,6 +59,8 @@ class LionOptions(LearningRateOptions):
 
 @attrs.define
 class ScheduleFreeAdamWOptions(LearningRateOptions):
+    FORGE_LM_OPTIMIZER_STATES: ClassVar[float] = 2  # z, exp_avg_sq
+
     betas: tuple[float, float] = attrs.field(default=(0.9, 0.95), validator=_momentum_betas)
     eps: float = attrs.field(default=1e-8, validator=positive)
     weight_decay: float = attrs.field(default=0.1, validator=non_negative)
