@@ -97,6 +97,7 @@ def test_healthy_cpu_environment_passes_every_check_with_exit_0(doctor):
         "device": "ok",
         "precision": "ok",
         "peak flops": "ok",
+        "linear kernel": "ok",
         "run directory": "ok",
         "disk": "ok",
         "cache directory": "ok",
@@ -243,6 +244,69 @@ def test_the_precision_row_says_fp16_autocast_runs_on_this_cpu_and_how_fast(doct
     assert rows["precision"][0] == status
     assert says in rows["precision"][1]
     assert rows["peak flops"][1].startswith("cpu fp16: ")
+
+
+def _linear_shapes_of_default_model():
+    """The default model's fp32 linear products at its tokens per micro-batch, built for real:
+    the reference the doctor's meta-device build must agree with."""
+    from forge_lm.config import load_config
+    from forge_lm.model import build_model
+    from forge_lm.model.linear_choice import linear_shapes
+    from forge_lm.plugins import PluginManager, PluginSettings
+
+    registry = PluginManager(PluginSettings(autoload=False)).registry
+    config = load_config(None, [], registry)
+    model = build_model(config.model, config.tokenizer.build().vocab_size, registry)
+    return linear_shapes(model, config.train.batch_size * config.train.seq_len)
+
+
+def test_the_linear_kernel_row_reports_the_choice_this_host_cached_for_the_models_products(
+    doctor, monkeypatch, tmp_path
+):
+    """A choice cached by an earlier run (idle machine) for exactly these products is what the row
+    reports; a cache for other products, or none, says the first run measures it. Nothing is timed."""
+    from forge_lm.model import linear_choice
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(linear_choice, "_MADE", {})
+    monkeypatch.setattr(hardware, "machine_load", lambda: (0.0, 2))
+    monkeypatch.setattr(linear_choice, "_time_product", lambda name, shape: pytest.fail("the doctor timed a product"))
+    monkeypatch.setattr("forge_lm.model.linear.onednn_available", lambda: True)  # whatever this torch build has
+
+    _, rows = doctor("--no-plugin-autoload")
+    assert rows["linear kernel"][0] == "ok"
+    assert rows["linear kernel"][1].startswith("auto: not measured on this host yet; the first fp32 run times")
+
+    shapes = _linear_shapes_of_default_model()
+    linear_choice.choose(shapes, lambda name, shape: 1.0 if name == "onednn" else 3.0)  # as a run would cache it
+    _, rows = doctor("--no-plugin-autoload")
+    assert rows["linear kernel"][0] == "ok"
+    assert rows["linear kernel"][1].startswith("auto: oneDNN: oneDNN measured 3.00x torch's speed")
+    assert "cached " in rows["linear kernel"][1]
+
+    _, rows = doctor("--no-plugin-autoload", "--model.dim=128")  # other products: not measured for them
+    assert rows["linear kernel"][1].startswith("auto: not measured on this host yet")
+
+
+def test_the_linear_kernel_row_states_a_configured_kernel_and_is_left_out_off_fp32_cpu(doctor):
+    _, rows = doctor("--no-plugin-autoload", "--train.cpu_linear_kernel=aten")
+    assert rows["linear kernel"] == ("ok", "cpu_linear_kernel = 'aten': torch's own kernel (F.linear), as configured")
+
+    _, rows = doctor("--no-plugin-autoload", "--train.precision=bf16")  # autocast's kernels, not this setting's
+    assert "linear kernel" not in rows
+
+
+def test_onednn_asked_for_on_a_torch_without_it_fails_the_linear_kernel_row(doctor, monkeypatch):
+    monkeypatch.setattr("forge_lm.model.linear.onednn_available", lambda: False)
+
+    code, rows = doctor("--no-plugin-autoload", "--train.cpu_linear_kernel=onednn")
+
+    assert code == 1
+    assert rows["linear kernel"] == (
+        "fail",
+        "cpu_linear_kernel = 'onednn', but this torch build has no oneDNN (mkldnn) linear kernel; set it to 'auto' "
+        "or 'aten'",
+    )
 
 
 def test_fp16_autocast_that_does_not_run_on_this_cpu_fails_the_precision_row(doctor, monkeypatch):

@@ -56,15 +56,11 @@ def choose(
     model_key = tuple(sorted({(features_in, features_out) for _, features_in, features_out in key_shapes}))
     if model_key in _MADE:
         return _MADE[model_key]
-    flags = "+".join(_cpu_flags())
-    model = hardware.cpu_model()
-    key = f"{model} | {flags} | threads={torch.get_num_threads()} | torch={torch.__version__} | {key_shapes}"
-    path = cache_path()
-    cached = _read(path).get(key)
-    if _valid(cached):
-        choice = Choice(cached["onednn"], f"{_verdict(cached)}, cached {cached['date']}")
-        _MADE[model_key] = choice
-        return choice
+    known = cached(key_shapes)
+    if known is not None:
+        _MADE[model_key] = known
+        return known
+    key, path = _cache_key(key_shapes), cache_path()
     others, cpus = hardware.machine_load()  # before measuring: the measurement loads the machine itself
     onednn_s, aten_s = measure(key_shapes, timer or _time_product)
     entry = {"onednn": aten_s / onednn_s >= MARGIN, "onednn_s": onednn_s, "aten_s": aten_s}
@@ -78,6 +74,24 @@ def choose(
         choice = Choice(entry["onednn"], f"{_verdict(entry)}, measured now")
     _MADE[model_key] = choice
     return choice
+
+
+def cached(shapes: Sequence[tuple[int, int, int]]) -> Choice | None:
+    """The choice cached for ``shapes`` on this host (CPU model, flags, threads, torch), or None
+    where none was measured yet (then the first fp32 CPU run measures it). Measures nothing:
+    ``forge doctor`` reports it."""
+    entry = _read(cache_path()).get(_cache_key(tuple(sorted(set(shapes)))))
+    if not _valid(entry):
+        return None
+    return Choice(entry["onednn"], f"{_verdict(entry)}, cached {entry['date']}")
+
+
+def _cache_key(key_shapes: tuple[tuple[int, int, int], ...]) -> str:
+    flags = "+".join(_cpu_flags())
+    return (
+        f"{hardware.cpu_model()} | {flags} | threads={torch.get_num_threads()} | torch={torch.__version__} "
+        f"| {key_shapes}"
+    )
 
 
 def measure(

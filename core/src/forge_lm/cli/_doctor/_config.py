@@ -1,6 +1,7 @@
 """Checks of the run config (file and overrides, with the plugins' components) and of what it
-asks of this machine: the device, the precision on it, and the peak FLOP/s that MFU divides
-by. The config check hands the valid config to the checks after it through the context."""
+asks of this machine: the device, the precision on it, the peak FLOP/s that MFU divides by, and
+the kernel its fp32 CPU linear products take. The config check hands the valid config to the
+checks after it through the context."""
 
 from __future__ import annotations
 
@@ -162,4 +163,73 @@ def peak_flops(context: Context) -> list[Check]:
     return [Check("peak flops", OK, f"{what}: {peak:.3g} FLOP/s, {source}")]
 
 
-CHECKS = (config, device, precision, peak_flops)
+def linear_kernel(context: Context) -> list[Check]:
+    """Which kernel an fp32 CPU run's linear products take (``[train] cpu_linear_kernel``) and why:
+    for ``"auto"``, the choice measured on this host for this model's products (cached by the
+    first run that measured it), or that the first run will measure it. Measures nothing, so the
+    check stays quick; left out where the products are not fp32 on a CPU."""
+    if context.config is None or context.torch is None:
+        return []
+    from forge_lm.errors import ForgeError
+    from forge_lm.model.linear import onednn_available
+    from forge_lm.train.device import autocast_dtype, resolve_device
+
+    config = context.config
+    try:
+        resolved = resolve_device(config.train.device)
+    except ForgeError:
+        return []
+    if resolved.type != "cpu" or autocast_dtype(config.train.precision, resolved) is not None:
+        return []
+    setting = config.train.cpu_linear_kernel
+    if setting == "aten":
+        return [Check("linear kernel", OK, "cpu_linear_kernel = 'aten': torch's own kernel (F.linear), as configured")]
+    if not onednn_available():
+        if setting == "onednn":
+            return [
+                Check(
+                    "linear kernel",
+                    FAIL,
+                    "cpu_linear_kernel = 'onednn', but this torch build has no oneDNN (mkldnn) linear kernel; "
+                    "set it to 'auto' or 'aten'",
+                )
+            ]
+        return [Check("linear kernel", OK, "auto: torch's (aten): this torch build has no oneDNN linear kernel")]
+    if setting == "onednn":
+        return [Check("linear kernel", OK, "cpu_linear_kernel = 'onednn': oneDNN's fp32 GEMM, as configured")]
+    try:
+        shapes = _linear_shapes(context)
+    except ForgeError as exc:
+        return [Check("linear kernel", OK, f"auto: chosen by measurement when the run starts ({exc})")]
+    from forge_lm.model.linear_choice import cached
+
+    choice = cached(shapes)
+    if choice is None:
+        return [
+            Check(
+                "linear kernel",
+                OK,
+                f"auto: not measured on this host yet; the first fp32 run times oneDNN against torch's kernel on "
+                f"the model's {len(set(shapes))} linear products and caches the faster",
+            )
+        ]
+    return [Check("linear kernel", OK, f"auto: {choice.reason}")]
+
+
+def _linear_shapes(context: Context) -> list[tuple[int, int, int]]:
+    """The ``(tokens, in, out)`` of the configured model's fp32 linear layers at the run's tokens
+    per micro-batch, from the model built on the meta device (nothing allocated)."""
+    import torch
+
+    from forge_lm.model.linear_choice import linear_shapes
+    from forge_lm.model.memory import model_vocab_size
+    from forge_lm.model.transformer import build_model
+
+    config = context.config
+    vocab_size = model_vocab_size(config, config.tokenizer.build())
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = build_model(config.model, vocab_size, context.manager.registry)
+    return linear_shapes(model, config.train.batch_size * config.train.seq_len)
+
+
+CHECKS = (config, device, precision, peak_flops, linear_kernel)
