@@ -50,6 +50,34 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+# The CPU flags that decide which matrix-product kernel is fastest: two hosts of one model name
+# (an "AMD EPYC" with AVX2 only, another with AVX-512 BF16) differ in them, so every cache of a
+# measurement on this host is keyed by them as well as by the name.
+MATRIX_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+
+
+def matrix_flags(cpuinfo: str | None = None) -> list[str]:
+    """Which of :data:`MATRIX_FLAGS` this CPU has, in that order, from ``cpuinfo`` (the text of
+    /proc/cpuinfo, read when not given; off Linux none are known)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return []
+    for line in cpuinfo.splitlines():
+        if line.lower().startswith("flags"):
+            present = set(line.split(":", 1)[1].split())
+            return [flag for flag in MATRIX_FLAGS if flag in present]
+    return []
+
+
+def host_key() -> str:
+    """This host as the measurement caches name it: CPU model, matrix flags, torch's thread count
+    and version (each changes which kernel is fastest, or how fast)."""
+    flags = "+".join(matrix_flags()) or "no matrix flags known"
+    return f"{cpu_model()} | {flags} | threads={torch.get_num_threads()} | torch={torch.__version__}"
+
+
 def machine_load() -> tuple[float | None, int]:
     """``(1-minute load of the other processes, CPUs of the machine)``; the load is None where
     the system does not report one (then a measurement is trusted and cached).

@@ -221,12 +221,19 @@ def test_cpu_peak_is_measured_once_then_read_from_the_cache(cache_home, measurem
     assert stored == {cpu_cache_key(torch.float32): entry(1e11)}
 
 
-def test_cpu_cache_key_names_the_cpu_threads_torch_and_dtype(monkeypatch):
+def test_cpu_cache_key_names_the_cpu_its_matrix_flags_threads_torch_and_dtype(monkeypatch):
     monkeypatch.setattr(hardware, "cpu_model", lambda: "Example CPU @ 3.0GHz")
+    monkeypatch.setattr(hardware, "matrix_flags", lambda: ["avx2", "fma", "avx512f", "avx512_bf16"])
     monkeypatch.setattr(torch, "get_num_threads", lambda: 6)
 
-    expected = f"Example CPU @ 3.0GHz | threads=6 | torch={torch.__version__} | bf16 | torch.mm+F.linear"
+    expected = (
+        f"Example CPU @ 3.0GHz | avx2+fma+avx512f+avx512_bf16 | threads=6 | torch={torch.__version__} | bf16 "
+        "| torch.mm+F.linear"
+    )
     assert cpu_cache_key(torch.bfloat16) == expected
+    # another host of the same name without AVX-512 (an AMD EPYC of another generation) has its own peak
+    monkeypatch.setattr(hardware, "matrix_flags", lambda: ["avx2", "fma"])
+    assert cpu_cache_key(torch.bfloat16) != expected
     # the kernels measured are part of the key: a peak cached before oneDNN joined is not reused
     assert cpu_cache_key(torch.float32).endswith("| fp32 | " + "+".join(measured_peak.matmul_kernels(torch.float32)))
 

@@ -127,3 +127,25 @@ def test_one_process_keeps_one_choice_per_model_whatever_the_batch(monkeypatch, 
     small = linear_choice.choose([(512, 64, 256), (512, 256, 64)], lambda name, shape: 1.0)  # would say aten
     assert (big.onednn, small.onednn) == (True, True)
     assert len(calls) == measured  # not measured again
+
+
+def test_a_choice_cached_on_another_host_of_the_same_name_is_not_reused(monkeypatch):
+    """Two "AMD EPYC" hosts, one with AVX-512 (oneDNN twice MKL's speed) and one with AVX2 only
+    (MKL faster): the cache is keyed by the matrix flags too, so the second measures its own."""
+    monkeypatch.setattr(hardware, "cpu_model", lambda: "AMD EPYC")
+    monkeypatch.setattr(hardware, "matrix_flags", lambda: ["avx2", "fma", "avx512f", "avx512_bf16"])
+    assert choose(SHAPES, timer_with(1.0, 2.0)).onednn is True
+    monkeypatch.setattr(linear_choice, "_MADE", {})  # the next process
+    monkeypatch.setattr(hardware, "matrix_flags", lambda: ["avx2", "fma"])
+
+    second = choose(SHAPES, timer_with(1.2, 1.0))
+
+    assert second.onednn is False
+    assert second.reason.endswith("measured now")
+
+
+def test_the_matrix_flags_are_read_from_cpuinfo_in_a_fixed_order():
+    cpuinfo = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx512_bf16 fma avx2 avx512f amx_tile\n"
+
+    assert hardware.matrix_flags(cpuinfo) == ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"]
+    assert hardware.matrix_flags("model name\t: no flags line\n") == []

@@ -1,5 +1,6 @@
 """A CPU's peak FLOP/s measured: the best of several timed matmuls, cached on disk (keyed by
-CPU model, thread count, torch version, dtype and kernels) only when the machine was idle,
+host: CPU model, matrix instruction flags, thread count and torch version; and by dtype and
+kernels) only when the machine was idle,
 since a rate measured under load is too low and would make MFU too high.
 :func:`remeasure_cpu_peak` replaces a cached rate that an MFU above 1 proved wrong."""
 
@@ -181,8 +182,7 @@ def matmul_kernels(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor, torc
 def cpu_cache_key(dtype: torch.dtype) -> str:
     dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
     kernels = "+".join(matmul_kernels(dtype))
-    model = hardware.cpu_model()
-    return f"{model} | threads={torch.get_num_threads()} | torch={torch.__version__} | {dtype_name} | {kernels}"
+    return f"{hardware.host_key()} | {dtype_name} | {kernels}"
 
 
 def cache_path() -> Path:

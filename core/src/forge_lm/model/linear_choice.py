@@ -7,9 +7,10 @@ backward of each distinct shape, at the run's tokens per micro-batch), alternati
 and takes oneDNN only where it was at least :data:`MARGIN` faster; otherwise torch's own
 kernel, which is bitwise a plain PyTorch model's.
 
-The choice is cached on disk per CPU model, instruction set, thread count, torch version and
-shapes, beside the measured matmul peak (:mod:`forge_lm.metrics.measured_peak`), and only when the
-machine was idle: a choice made under load serves this process alone. A process measures at
+The choice is cached on disk per host (:func:`forge_lm.hardware.host_key`: CPU model, matrix
+instruction flags, thread count, torch version) and shapes, beside the measured matmul peak
+(:mod:`forge_lm.metrics.measured_peak`), and only when the machine was idle: a choice made
+under load serves this process alone. A process measures at
 most once per model (the in and out features of its products): every later run of that model
 in it reuses the choice whatever its batch, so runs in one process take the same kernel (a
 gradient-accumulation run and its one-big-batch twin must round alike).
@@ -34,7 +35,6 @@ MARGIN = 1.10
 so that noise cannot flip the choice between runs."""
 
 ROUNDS = 5  # timed rounds per kernel, alternating, after one warm-up round
-_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 @attrs.frozen
@@ -87,11 +87,7 @@ def cached(shapes: Sequence[tuple[int, int, int]]) -> Choice | None:
 
 
 def _cache_key(key_shapes: tuple[tuple[int, int, int], ...]) -> str:
-    flags = "+".join(_cpu_flags())
-    return (
-        f"{hardware.cpu_model()} | {flags} | threads={torch.get_num_threads()} | torch={torch.__version__} "
-        f"| {key_shapes}"
-    )
+    return f"{hardware.host_key()} | {key_shapes}"
 
 
 def measure(
@@ -139,15 +135,6 @@ def _verdict(entry: dict) -> str:
     ratio = entry["aten_s"] / entry["onednn_s"] if entry["onednn_s"] > 0 else 0.0
     chosen = "oneDNN" if entry["onednn"] else "torch's (aten)"
     return f"{chosen}: oneDNN measured {ratio:.2f}x torch's speed on the model's products (needs {MARGIN:.2f}x)"
-
-
-def _cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return []
-    words = set(text.split())
-    return [flag for flag in _FLAGS if flag in words]
 
 
 def cache_path() -> Path:
