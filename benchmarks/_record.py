@@ -25,8 +25,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-# The CPU flags that decide which matrix-product kernels are fastest (two hosts of the same name can differ).
-MATMUL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+# The CPU flags that decide which matrix-product kernels are fastest (two hosts of the same name can
+# differ): forge_lm.hardware.MATRIX_FLAGS, repeated here so that describing the machine imports no
+# torch (a test keeps the two equal).
+MATMUL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 
 
 def machine() -> dict[str, Any]:
@@ -46,6 +48,7 @@ def machine() -> dict[str, Any]:
                 info["cpu_flags"] = [flag for flag in MATMUL_FLAGS if flag in present]
     with contextlib.suppress(OSError, AttributeError):
         info["load_average"] = [round(value, 2) for value in os.getloadavg()]  # a busy machine shows here
+    info["kernel_rates"] = kernel_rates(info.get("cpu_model"), info.get("cpu_flags"))
     try:
         import importlib.metadata
 
@@ -58,6 +61,55 @@ def machine() -> dict[str, Any]:
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def kernel_rates(cpu_model: str | None, flags: list[str] | None) -> list[dict[str, Any]]:
+    """What Forge measured on this host (same CPU model and matrix flags) and cached, read from
+    its caches (``$XDG_CACHE_HOME/forge_lm``, as :func:`forge_lm.hardware.cache_dir`): each
+    dtype's peak matmul rate and each fp32 model's oneDNN-over-torch ratio behind ``auto``'s
+    kernel choice. Only idle measurements are cached, so these are rates of this host, not of
+    the run's load; a record without them (a fresh host) measured none yet. Nothing is timed."""
+    if cpu_model is None or flags is None:
+        return []
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "forge_lm"
+    prefix = f"{cpu_model} | {'+'.join(flags) or 'no matrix flags known'} | "
+    rates: list[dict[str, Any]] = []
+    for key, entry in sorted(_read_json(root / "peak_flops.json").items()):
+        if key.startswith(prefix) and isinstance(entry, dict) and isinstance(entry.get("flops"), int | float):
+            # key: HOST | threads=N | torch=V | DTYPE | KERNELS
+            threads, torch_version, dtype, kernels = (part.strip() for part in key[len(prefix) :].split("|")[:4])
+            rates.append(
+                {
+                    "what": f"{dtype} peak ({kernels})",
+                    "gflop_per_s": round(entry["flops"] / 1e9, 1),
+                    "where": f"{threads}, {torch_version}",
+                    "date": entry.get("date"),
+                }
+            )
+    for key, entry in sorted(_read_json(root / "linear_kernel.json").items()):
+        if key.startswith(prefix) and isinstance(entry, dict) and _positive(entry, "onednn_s", "aten_s"):
+            threads, torch_version, shapes = (part.strip() for part in key[len(prefix) :].split("|", 2))
+            rates.append(
+                {
+                    "what": f"fp32 linear products {shapes}: oneDNN / torch's speed",
+                    "ratio": round(entry["aten_s"] / entry["onednn_s"], 3),
+                    "where": f"{threads}, {torch_version}",
+                    "date": entry.get("date"),
+                }
+            )
+    return rates
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _positive(entry: dict[str, Any], *keys: str) -> bool:
+    return all(isinstance(entry.get(k), int | float) and entry[k] > 0 for k in keys)
 
 
 def alternate(
@@ -186,18 +238,23 @@ def write_results_md() -> None:
         "section for the machine, the command and the load average when it ran.",
         "",
     ]
+    usual = _usual_host(records)
     headline_rows = [(record, item) for record in records for item in headlines(record)]
     if headline_rows:
         lines += ["## Headline ratios", "", "| benchmark | measure | value | meaning |", "|---|---|---|---|"]
         for record, item in headline_rows:
+            elsewhere = f" (on {host_of(record)})" if usual is not None and host_of(record) != usual else ""
             lines.append(
-                f"| [{record['benchmark']}](#{record['benchmark']}) | {item['measure']} | "
+                f"| [{record['benchmark']}](#{record['benchmark']}){elsewhere} | {item['measure']} | "
                 f"{_cell(item['value'])} | {item.get('meaning', '')} |"
             )
         lines.append("")
-    usual = _usual_host(records)
     if usual is not None:
-        lines += [f"Most sections ran on {usual}; a section measured on another host says so.", ""]
+        lines += [
+            f"Most sections ran on {usual}; a section measured on another host says so, as does its benchmark's "
+            "name in the table above.",
+            "",
+        ]
     for record in records:
         host = host_of(record)
         section = record_markdown(record)
@@ -241,12 +298,25 @@ def record_markdown(record: dict[str, Any], heading: str = "##") -> list[str]:
         f"Python {m['python']}, torch {m['torch']}, {m['platform']}.",
         "",
     ]
+    rates = m.get("kernel_rates")
+    if rates:
+        lines += [
+            "Measured on this host by Forge when it was idle, from its caches: "
+            + "; ".join(_rate_text(rate) for rate in rates)
+            + ".",
+            "",
+        ]
     if record["notes"]:
         lines += [record["notes"], ""]
     lines += _table(record["rows"])
     for title, rows in (record.get("tables") or {}).items():
         lines += [f"**{title}**", "", *_table(rows)]
     return lines
+
+
+def _rate_text(rate: dict[str, Any]) -> str:
+    value = f"{rate['gflop_per_s']} GFLOP/s" if "gflop_per_s" in rate else f"{rate.get('ratio')}x"
+    return f"{rate.get('what')} {value} ({rate.get('where')}, {rate.get('date')})"
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

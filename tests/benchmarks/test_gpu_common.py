@@ -195,3 +195,65 @@ def test_results_md_marks_a_section_measured_on_another_host(bench, tmp_path, mo
     assert "another host" not in text.split("## train")[1]
     assert "machine" in record.make_record("x", "y", [])
     assert set(record.machine().get("cpu_flags", [])) <= set(record.MATMUL_FLAGS)
+
+
+def test_a_headline_measured_on_another_host_is_marked_in_the_headline_table(bench, tmp_path, monkeypatch):
+    record = bench("_record")
+    monkeypatch.setattr(record, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(record, "HERE", tmp_path)
+    (tmp_path / "results").mkdir()
+    for name, cpu in (("data", "AMD EPYC"), ("train", "AMD EPYC"), ("moe", "Intel Xeon")):
+        made = record.make_record(name, f"bench_{name}.py", [{"ratio": 1.0}], headline=[
+            {"measure": f"{name} ratio", "value": 1.5, "meaning": "m"}])  # fmt: skip
+        made["machine"].update(cpu_model=cpu, cpus=2, cpu_flags=["avx2"])
+        (tmp_path / "results" / f"{name}.json").write_text(json.dumps(made))
+
+    record.write_results_md()
+
+    table = (tmp_path / "RESULTS.md").read_text().split("## Headline ratios")[1].split("Most sections")[0]
+    assert "| [moe](#moe) (on Intel Xeon, 2 CPUs (avx2)) | moe ratio | 1.500 | m |" in table
+    assert "| [train](#train) | train ratio | 1.500 | m |" in table
+
+
+def test_the_benchmarks_flag_list_is_forges(bench):
+    """The record names the same matrix flags as the keys of Forge's caches, which it reads."""
+    from forge_lm import hardware
+
+    assert bench("_record").MATMUL_FLAGS == hardware.MATRIX_FLAGS
+
+
+def test_each_record_carries_the_kernel_rates_forge_cached_for_this_host_only(bench, tmp_path, monkeypatch):
+    """The rates come from Forge's own caches as its measurements write them (an idle machine
+    stood in for, the timings too); another host's entries of the same CPU name are left out."""
+    import torch
+
+    from forge_lm import hardware
+    from forge_lm.metrics import measured_peak
+    from forge_lm.model import linear_choice
+
+    record = bench("_record")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(hardware, "machine_load", lambda: (0.0, 2))
+    monkeypatch.setattr(hardware, "cpu_model", lambda: "AMD EPYC")
+    monkeypatch.setattr(hardware, "matrix_flags", lambda: ["avx2", "fma"])
+    monkeypatch.setattr(linear_choice, "_MADE", {})
+    monkeypatch.setattr(measured_peak, "measure_cpu", lambda dtype: measured_peak.CpuMeasurement(1.5e11, 2048, 7, 2))
+    measured_peak._measure_and_maybe_cache(torch.float32, measured_peak.cpu_cache_key(torch.float32))
+    linear_choice.choose([(64, 32, 48)], lambda name, shape: 2.0 if name == "onednn" else 1.0)
+    monkeypatch.setattr(hardware, "matrix_flags", lambda: ["avx2", "fma", "avx512f", "avx512_bf16"])  # another host
+    measured_peak._measure_and_maybe_cache(torch.float32, measured_peak.cpu_cache_key(torch.float32))
+
+    rates = record.kernel_rates("AMD EPYC", ["avx2", "fma"])
+
+    threads = f"threads={torch.get_num_threads()}, torch={torch.__version__}"
+    assert [{k: v for k, v in rate.items() if k != "date"} for rate in rates] == [
+        {"what": "fp32 peak (" + "+".join(measured_peak.matmul_kernels(torch.float32)) + ")", "gflop_per_s": 150.0,
+         "where": threads},
+        {"what": "fp32 linear products ((64, 32, 48),): oneDNN / torch's speed", "ratio": 0.5, "where": threads},
+    ]  # fmt: skip
+    assert record.kernel_rates("Intel Xeon", ["avx2", "fma"]) == []
+    section = "\n".join(record.record_markdown({**record.make_record("x", "y", []), "machine": {
+        **record.machine(), "kernel_rates": rates}}))  # fmt: skip
+    assert "Measured on this host by Forge when it was idle, from its caches: fp32 peak (" in section
+    assert "150.0 GFLOP/s" in section
+    assert "oneDNN / torch's speed 0.5x" in section
