@@ -79,6 +79,15 @@ GROWN = {"4x": (512, 8, 3), "16x": (1024, 16, 6)}
 TINY = ["--model.dim=128", "--model.n_heads=4", "--model.n_layers=5", "--train.batch_size=12", "--train.seq_len=64",
         "--metrics.log_interval=1"]  # fmt: skip
 
+# A model with next to no compute (one block of width 16, one sequence of 16 tokens per step):
+# what a step of it costs is the loop's fixed cost per step (loader, hooks, guards, clipping,
+# the host sync, metrics every step), Forge's against the plain loop's; divided by a real
+# model's step time it is the framework's overhead at that size, without the noise of a ratio of
+# two long measurements.
+MICRO = ["--model.dim=16", "--model.n_heads=1", "--model.n_layers=1", "--train.batch_size=1", "--train.seq_len=16",
+         "--metrics.log_interval=1"]  # fmt: skip
+MICRO_STEPS = 10  # micro-model steps per default-model step of a block: each is about 100x shorter
+
 # Forge on the kernels the plain loop takes (nn.Linear's F.linear, SDPA's attention): the
 # difference left between the two is the framework's own overhead.
 PLAIN_KERNELS = ["--train.cpu_linear_kernel=aten", "--model.attention_backend=sdpa"]
@@ -458,9 +467,9 @@ def main() -> None:
     parser.add_argument(
         "--sizes",
         nargs="*",
-        default=["tiny", "4x", "16x"],
-        help="other model sizes to add: tiny (about 1 M parameters, batch 12 x 64, logging every step), 4x, 16x "
-        "the parameters (none: omit)",
+        default=["micro", "tiny", "4x", "16x"],
+        help="other model sizes to add: micro (one block of width 16, 16 tokens a step: the loop's fixed cost per "
+        "step), tiny (about 1 M parameters, batch 12 x 64, logging every step), 4x, 16x the parameters (none: omit)",
     )
     parser.add_argument("--no-bf16", action="store_true", help="leave out the bf16 autocast rows")
     parser.add_argument("--no-e2e", action="store_true", help="leave out the forge_lm.train.train() row")
@@ -472,7 +481,7 @@ def main() -> None:
     parser.add_argument("--no-save", action="store_true", help="print only; do not write results/train.json")
     args = parser.parse_args()
     if args.quick:
-        args.rounds, args.warmup, args.steps, args.sizes = 2, 0, 2, []
+        args.rounds, args.warmup, args.steps, args.sizes = 2, 0, 2, ["micro"]
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = PluginSettings(autoload=False) if args.no_plugin_autoload else PluginSettings.from_env()
@@ -579,6 +588,18 @@ def main() -> None:
             "forge fp32 mla", mla, args.steps, "forge", "fp32", "forge fp32",
             f"--model.attention.name=mla (forge-deepseek; {mla_params:.2f} M parameters against gqa's "
             f"{gqa_params:.2f} M)", onednn,
+        )  # fmt: skip
+    if "micro" in args.sizes:
+        micro = forge("fp32-micro", ["--train.precision=fp32", *MICRO])
+        micro_steps = args.steps * MICRO_STEPS
+        add(
+            "forge fp32 micro", micro, micro_steps, "forge", "fp32", "plain fp32 micro",
+            f"{' '.join(MICRO)}: the loop's fixed cost per step", onednn,
+        )  # fmt: skip
+        add(
+            "plain fp32 micro", PlainSide(micro, micro.fresh_batches(blocks * micro_steps), "fused"), micro_steps,
+            "plain", "fp32", "plain fp32 micro", "the plain loop on that model, AdamW fused as Forge's", mkl,
+            micro.step_flops,
         )  # fmt: skip
     if "tiny" in args.sizes:  # as many steps as the default row: each is about 20x shorter
         tiny = forge("fp32-tiny", ["--train.precision=fp32", *TINY])
@@ -773,6 +794,30 @@ def main() -> None:
                 "a step at this size",
             }
         )
+    if "forge fp32 micro" in medians:
+        # Seconds per step of each side on the micro model; Forge's extra is its fixed cost per step.
+        micro_tokens = sides["forge fp32 micro"].tokens_per_step
+        forge_micro_s, plain_micro_s = (micro_tokens / medians[f"{side} fp32 micro"] for side in ("forge", "plain"))
+        fixed_s = forge_micro_s - plain_micro_s
+        headline.append(
+            {
+                "measure": "Forge's fixed cost per step over the plain loop's (ms; a model of one width-16 block, 16 "
+                "tokens a step, logging every step)",
+                "value": fixed_s * 1e3,
+                "meaning": f"the loop's own work per step: Forge's step {forge_micro_s * 1e3:.2f} ms against the plain "
+                f"loop's {plain_micro_s * 1e3:.2f} ms",
+            }
+        )
+        for name, label in (("forge fp32", "default model"), ("forge fp32 tiny", "tiny model")):
+            if name in medians:
+                step_s = sides[name].tokens_per_step / medians[name]
+                headline.append(
+                    {
+                        "measure": f"that fixed cost as a share of Forge's step (fp32, {label})",
+                        "value": fixed_s / step_s,
+                        "meaning": f"target at most 0.01 (issue 35); the step takes {step_s * 1e3:.1f} ms",
+                    }
+                )
     for label in ("4x", "16x"):
         if f"forge fp32 {label}" in medians:
             headline.append(
