@@ -293,7 +293,3 @@ def _config_hash(config: ForgeConfig) -> str:
 
 def _divides(interval: int, step: int) -> bool:
     return bool(interval) and step % interval == 0
-
-
-def _divides(interval: int, step: int) -> bool:
-    return bool(interval) and step % interval == 0
