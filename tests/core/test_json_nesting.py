@@ -8,11 +8,12 @@ import os
 
 import pytest
 
+from forge_lm import run_lock
 from forge_lm.data import prepare, shards
 from forge_lm.errors import ForgeError
 from forge_lm.metrics import measured_peak
 from forge_lm.tokenizers import hf as hf_tokenizer
-from forge_lm.train import run_lock, run_manifest
+from forge_lm.train import run_manifest
 
 DEEP = "[" * 100_000 + "]" * 100_000
 LONG_NUMBER = "1" * 5_000  # past Python's limit on converting digits to an int

@@ -49,10 +49,9 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu", *, plu
 
 def _from_hf(hf_dir: Path, manager: Any) -> tuple[torch.nn.Module, Any]:
     """A Hugging Face directory converted by the first plugin that reads its model type."""
-    from forge_lm.cli._import_hf import _build, _check_fits, _load
     from forge_lm.config import TrainSection, structure_config
     from forge_lm.errors import ConfigError, ForgeError, UsageError
-    from forge_lm.model.hf import convert_from_hf, sized_table
+    from forge_lm.model.hf import build_imported, check_imported_fits, convert_from_hf, load_imported, sized_table
 
     imported = convert_from_hf(manager, hf_dir)
     table = imported.table
@@ -70,8 +69,8 @@ def _from_hf(hf_dir: Path, manager: Any) -> tuple[torch.nn.Module, Any]:
         raise ForgeError(
             f"the [model] table that {imported.plugin.label} made from '{imported.config_path}' is not valid: {exc}"
         ) from None
-    _check_fits(config, manager.registry, imported)
-    model = _build(config, manager.registry, imported)
-    _load(model, imported)
+    check_imported_fits(config, manager.registry, imported)
+    model = build_imported(config, manager.registry, imported)
+    load_imported(model, imported)
     tokenizer = config.tokenizer.build() if tokenizer_file.is_file() else None
     return model, tokenizer

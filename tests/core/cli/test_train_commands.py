@@ -177,7 +177,7 @@ def test_an_import_that_fails_before_its_checkpoint_leaves_no_half_made_run(tmp_
 def test_import_hf_takes_the_run_directory_lock(tmp_path, capsys):
     """A directory another command holds (its lock taken) is refused, and left as it was."""
     from forge_lm.cli._main import main
-    from forge_lm.train.run_lock import RunLock
+    from forge_lm.run_lock import RunLock
 
     _small_hf_llama(tmp_path / "hf")
     run = tmp_path / "busy"

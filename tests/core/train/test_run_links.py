@@ -18,10 +18,10 @@ from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.events import EventLog
 from forge_lm.metrics.jsonl import JsonlBackend, read_metrics
 from forge_lm.metrics.plot import plot_run
+from forge_lm.run_lock import LOCK_FILE, RunLock
 from forge_lm.train import resume_rules
 from forge_lm.train.profiling import StepProfiler, _write_atomically
 from forge_lm.train.run_dir import RunDirectory
-from forge_lm.train.run_lock import LOCK_FILE, RunLock
 from forge_lm.train.watchdog import HangWatchdog
 from forge_lm_eval.command import _results_path
 

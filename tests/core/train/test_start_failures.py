@@ -21,10 +21,10 @@ from forge_lm import hookimpl
 from forge_lm.data.loader import check_token_ids
 from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.metrics.jsonl import read_metrics
+from forge_lm.run_lock import LOCK_FILE, RunDirLocked, RunLock
 from forge_lm.train import train
 from forge_lm.train.resilience import PreemptedAtStartup, StartupSignals, check_startup
 from forge_lm.train.run_dir import RunDirectory
-from forge_lm.train.run_lock import LOCK_FILE, RunDirLocked, RunLock
 
 
 class _Scripted:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from forge_lm import run_lock
 from forge_lm.checkpoint._errors import being_written, describe
 from forge_lm.checkpoint._layout import LATEST, STEP_DIR
 from forge_lm.checkpoint._safe import UnsafeCheckpointError, read_metadata
@@ -98,10 +99,8 @@ class FindingCheckpoints:
         """Who else writes this run's checkpoints now (``pid 12 on host n1, running since ...``):
         another process training in the run directory, which holds its lock; None when none
         does (a step directory without its trainer state is then a save cut short)."""
-        from forge_lm.train.run_lock import describe, other_holder  # here: forge_lm.train imports this module
-
-        holder = other_holder(self.run_dir)
-        return None if holder is None else describe(holder)
+        holder = run_lock.other_holder(self.run_dir)
+        return None if holder is None else run_lock.describe(holder)
 
     def _check_root(self) -> None:
         self.store.check_root()

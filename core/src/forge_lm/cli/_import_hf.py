@@ -32,7 +32,7 @@ def run(args, overrides, plugins) -> int:
     from forge_lm.checkpoint import CheckpointManager
     from forge_lm.config import TrainSection, merge, parse_overrides, structure_config
     from forge_lm.errors import ConfigError, ForgeError, UsageError
-    from forge_lm.model.hf import convert_from_hf, sized_table
+    from forge_lm.model.hf import build_imported, check_imported_fits, convert_from_hf, load_imported, sized_table
     from forge_lm.train.run_dir import RunDirectory
 
     hf_dir = Path(args.hf_dir)
@@ -56,9 +56,9 @@ def run(args, overrides, plugins) -> int:
     config = structure_config(merge(layers, parse_overrides(overrides)), manager.registry)
     manager.configure(config)
 
-    _check_fits(config, manager.registry, imported)
-    model = _build(config, manager.registry, imported)
-    _load(model, imported)
+    check_imported_fits(config, manager.registry, imported)
+    model = build_imported(config, manager.registry, imported)
+    load_imported(model, imported)
     taken = ConfigError(f"[train] output_dir: '{config.train.output_dir}' already holds a run; choose a new one.")
     if Path(config.train.output_dir, "config.toml").exists():
         raise taken
@@ -82,67 +82,3 @@ def run(args, overrides, plugins) -> int:
         run.trained = True  # a complete run directory from here on: kept whatever happens
     print(f"imported {hf_dir} into run directory {run_dir}")
     return 0
-
-
-def _check_fits(config, registry, imported) -> None:
-    """Refuse a model whose weights and optimizer state exceed this host's available memory, from
-    its estimate, before anything is allocated: its sizes come from an untrusted ``config.json``."""
-    from forge_lm.errors import ConfigError
-    from forge_lm.model.memory import loading_shortfall
-
-    shortfall = loading_shortfall(config, config.model.options.vocab_size, registry)
-    if shortfall is not None:
-        raise ConfigError(
-            f"'{imported.config_path}' describes a model that {shortfall}, as {imported.plugin.label} converts it. "
-            "Check its sizes (hidden_size, intermediate_size, num_hidden_layers, vocab_size, "
-            "max_position_embeddings), or import it on a machine with more memory."
-        )
-
-
-def _build(config, registry, imported):
-    """The model of ``config``; an allocation that fails anyway (no memory figure on this host) is
-    refused naming the ``config.json`` that sized it."""
-    import re
-
-    from forge_lm.errors import ConfigError
-    from forge_lm.model import build_model
-
-    try:
-        return build_model(config.model, config.model.options.vocab_size, registry)
-    except (MemoryError, RuntimeError) as exc:
-        if not isinstance(exc, MemoryError) and not re.search(r"allocat|overflow|out of memory", str(exc), re.I):
-            raise
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(
-            f"cannot allocate the model that '{imported.config_path}' describes ({reason}). Check its sizes "
-            "(hidden_size, intermediate_size, num_hidden_layers, vocab_size), or import it on a machine with more "
-            "memory."
-        ) from None
-
-
-_MOST_LISTED = 5  # mismatched weights named in a message; the rest are counted
-
-
-def _load(model, imported) -> None:
-    """Load the converted weights into ``model``, after checking that every name and shape matches:
-    a ``config.json`` that disagrees with its weights is refused, naming what differs."""
-    from forge_lm.errors import ForgeError
-    from forge_lm.model.hf import state_mismatches
-
-    problems = state_mismatches(model.state_dict(), imported.state)
-    where = f"'{imported.config_path.parent}'"
-    if problems:
-        listed = "; ".join(problems[:_MOST_LISTED])
-        if len(problems) > _MOST_LISTED:
-            listed += f"; and {len(problems) - _MOST_LISTED} more"
-        raise ForgeError(
-            f"the weights in {where} do not fit the model that its {imported.config_path.name} describes (as "
-            f"{imported.plugin.label} converts it): {listed}. Correct the sizes in {imported.config_path.name} "
-            "(hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, vocab_size, ...) to match "
-            "the weights, or use the config saved with them."
-        )
-    try:
-        model.load_state_dict(imported.state)
-    except RuntimeError as exc:  # names and shapes agree: what is left is the tensors' contents (a dtype)
-        reason = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else type(exc).__name__
-        raise ForgeError(f"the weights in {where} cannot be loaded into the model: {reason}") from None

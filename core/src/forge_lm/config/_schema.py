@@ -163,6 +163,20 @@ class LlamaOptions:
 ModelSection = LlamaOptions  # the name before model families; kept for code that builds one directly
 
 
+@attrs.define
+class SwiGLUOptions:
+    """Options of the built-in ``swiglu`` feed-forward layer (``[model.ffn]``), registered by
+    :mod:`forge_lm.default_plugins.feed_forwards` under the path
+    ``forge_lm.default_plugins.options.feed_forwards:SwiGLUOptions``. Defined here, below the
+    model, because the core's Hugging Face conversion (:mod:`forge_lm.model.hf.llama`) makes
+    them from a ``config.json``."""
+
+    # hidden = multiple_of * ceil(hidden_multiplier * dim / multiple_of); 8/3 keeps the
+    # parameter count of a 4x GELU MLP with three matrices instead of two.
+    hidden_multiplier: float = attrs.field(default=8 / 3, validator=positive)
+    multiple_of: int = attrs.field(default=64, validator=positive)
+
+
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 # Batches one evaluation may read. Every set's batches are read once at the start (a set too short
 # fails there), so a count in the billions would hang the start instead of being refused.

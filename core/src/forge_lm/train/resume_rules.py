@@ -31,7 +31,7 @@ from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.notices import warn
 from forge_lm.plugins import PluginManager
 from forge_lm.run_links import write_text
-from forge_lm.train.run_lock import LOCK_FILE
+from forge_lm.run_lock import LOCK_FILE
 from forge_lm.train.run_manifest import (
     MANIFEST_FILE,
     loaded_entries,

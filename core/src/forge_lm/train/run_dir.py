@@ -1,7 +1,7 @@
 """The run directory: one run at a time in it, and nothing left behind by a start that failed.
 
 :class:`RunDirectory`, what ``forge train`` uses (on rank 0), locks the directory
-(``<run>/.lock``, :mod:`forge_lm.train.run_lock`) before it writes anything into it, and
+(``<run>/.lock``, :mod:`forge_lm.run_lock`) before it writes anything into it, and
 releases the lock when the run ends, also on errors. Under the lock it decides whether the
 config starts or resumes the run there (:mod:`forge_lm.train.resume_rules`), writing
 ``config.toml`` and ``plugins.json`` (:mod:`forge_lm.train.run_manifest`).
@@ -41,9 +41,9 @@ from forge_lm.errors import ConfigError, ForgeError
 from forge_lm.events import EVENTS_FILE
 from forge_lm.plugins import PluginManager
 from forge_lm.run_links import link_error, refuse_links
+from forge_lm.run_lock import LOCK_FILE, RunLock
 from forge_lm.train.profiling import PROFILES_DIR
 from forge_lm.train.resume_rules import CONFIG_FILE, lexists, prepare, writable_fix
-from forge_lm.train.run_lock import LOCK_FILE, RunLock
 from forge_lm.train.run_manifest import MANIFEST_FILE
 from forge_lm.train.watchdog import HANG_DIR
 

@@ -1,4 +1,4 @@
-"""Conversion between Forge's models and Hugging Face's, in four parts:
+"""Conversion between Forge's models and Hugging Face's, in five parts:
 
 - :mod:`~forge_lm.model.hf.names`: the weight renaming every Hugging Face decoder of Forge's
   shape shares (:func:`rename_to_hf`, :func:`rename_from_hf`);
@@ -6,7 +6,9 @@
   ``Qwen3ForCausalLM``, configs and weights, both ways (the core's answers to the hooks);
 - :mod:`~forge_lm.model.hf.files`: a model directory's ``config.json`` and safetensors files;
 - :mod:`~forge_lm.model.hf.hooks`: ``forge export-hf`` and ``forge import-hf``, which convert
-  only through the ``forge_lm_hf_export`` / ``forge_lm_hf_import`` hooks.
+  only through the ``forge_lm_hf_export`` / ``forge_lm_hf_import`` hooks;
+- :mod:`~forge_lm.model.hf.building`: the model of a converted directory, built and loaded with
+  the checks ``forge import-hf`` and ``forge_lm.load_pretrained`` share.
 
 The names below are re-exported so that ``from forge_lm.model.hf import ...`` keeps working;
 plugins take theirs from :mod:`forge_lm.api`. ``transformers`` is needed only for
@@ -14,6 +16,7 @@ plugins take theirs from :mod:`forge_lm.api`. ``transformers`` is needed only fo
 imported inside the functions that use them.
 """
 
+from forge_lm.model.hf.building import build_imported, check_imported_fits, load_imported
 from forge_lm.model.hf.files import (
     WEIGHTS_FILE,
     WEIGHTS_INDEX_FILE,
@@ -68,7 +71,9 @@ __all__ = [
     "WEIGHTS_INDEX_FILE",
     "FeedForwardRenamer",
     "HFImport",
+    "build_imported",
     "check_export_dir",
+    "check_imported_fits",
     "check_llama_compatible",
     "check_qwen3_compatible",
     "convert_from_hf",
@@ -83,6 +88,7 @@ __all__ = [
     "llama_export",
     "llama_import",
     "load_hf",
+    "load_imported",
     "make_export_dir",
     "model_section_fields",
     "qwen3_attention_problems",

@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from forge_lm.config import ComponentConfig, ModelSection
-from forge_lm.default_plugins.options.feed_forwards import SwiGLUOptions
+from forge_lm.config import ComponentConfig, ModelSection, SwiGLUOptions
 from forge_lm.errors import ForgeError
 from forge_lm.model.hf.files import read_hf, write_hf
 from forge_lm.model.hf.names import rename_from_hf, rename_to_hf
