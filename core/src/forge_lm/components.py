@@ -445,12 +445,28 @@ class PipelineSplittable(Protocol):
 @runtime_checkable
 class ContextParallelModel(Protocol):
     """A model ``[distributed] cp > 1`` can run: ``forward`` takes ``positions`` (a rank's slice
-    of each sequence) and every attention layer gathers the group's keys and values when its
-    ``context_parallel`` is set."""
+    of each sequence), and :meth:`set_context_parallel` hands the context-parallel group to the
+    model's attention layers, which then gather the group's keys and values
+    (:class:`ContextParallelAttention`, for Forge's transformer blocks). ``context_parallel`` is
+    the group the model was handed (None: it attends within its own tokens).
+
+    ``set_context_parallel`` is part of the protocol from plugin API 1.3; the core no longer walks
+    the model's modules, so layers the model holds outside its module tree are told too. A model
+    declaring only the ``context_parallel`` attribute (plugin API 1.2's protocol) still runs, with a
+    deprecation warning: the core sets the attribute on it and on every submodule that declares
+    one, as 1.2 did. Plugin API 2 drops that fallback."""
 
     context_parallel: Any
 
     def forward(self, input_ids: Any, document_ids: Any = None, kv_cache: Any = None, positions: Any = None) -> Any: ...
+
+    def set_context_parallel(self, context_parallel: Any) -> None:
+        """Attend across ``context_parallel``'s group (None: within this rank's tokens again): set
+        ``context_parallel`` on the model and on each of its attention layers. The object has
+        ``gather(x, dim)`` (all the attention layers need, differentiable), ``gather_ids(x, dim)``
+        (for positions and document ids), ``rank`` and ``size``. Called once, before the model's
+        transforms (FSDP2, activation checkpointing); a model that cannot spread it to one of its
+        layers raises, naming the layer."""
 
 
 @runtime_checkable
@@ -501,9 +517,11 @@ class RotaryAttention(Protocol):
 @runtime_checkable
 class ContextParallelAttention(Protocol):
     """An attention layer that gathers the keys and values of the context-parallel group when
-    ``context_parallel`` is set (None: it attends within its own tokens). ``[distributed] cp > 1``
-    sets it on every module that declares it, and is refused for a model whose blocks' attention
-    layers do not."""
+    ``context_parallel`` is set (None: it attends within its own tokens); of that object it needs
+    only ``gather(x, dim)``, every rank's ``x`` concatenated along ``dim`` in rank order,
+    differentiably. The model sets it (:meth:`ContextParallelModel.set_context_parallel`; Forge's
+    Transformer on each block's attention), and ``[distributed] cp > 1`` is refused for a model
+    whose blocks' attention layers do not declare it."""
 
     context_parallel: Any
 

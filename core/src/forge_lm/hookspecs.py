@@ -198,7 +198,7 @@ def forge_lm_register_models(register: Any) -> None:
     protocol in :mod:`forge_lm.components`: :class:`~forge_lm.components.ShardedByBlocks`
     (FSDP2 units, activation checkpointing, compile), :class:`~forge_lm.components.TensorParallelModel`
     (``tp``), :class:`~forge_lm.components.PipelineSplittable` (``pp``),
-    :class:`~forge_lm.components.ContextParallelModel` (``cp``),
+    :class:`~forge_lm.components.ContextParallelModel` (``cp``: ``set_context_parallel``, plugin API 1.3),
     :class:`~forge_lm.components.DecodesWithCache` (``forge generate``),
     :class:`~forge_lm.components.CountsFlops` (MFU), :class:`~forge_lm.components.HasParameterRoles`
     (Muon, weight decay). A layout needing one the model lacks is refused by ``forge config
@@ -223,7 +223,9 @@ def forge_lm_register_attentions(register: Any) -> None:
     under its ``layer_index``). Capabilities: ``init_weights(init)``, ``tensor_parallel_plan()``
     (as for feed-forward layers), ``rope_dim`` (:class:`~forge_lm.components.RotaryAttention`),
     ``window`` (:class:`~forge_lm.components.WindowedAttention`), and a ``context_parallel``
-    attribute (None) for layers that gather keys and values under ``[distributed] cp > 1``.
+    attribute (None) for layers that gather keys and values under ``[distributed] cp > 1``
+    (:class:`~forge_lm.components.ContextParallelAttention`; Forge's transformer sets it on each
+    block's attention from its ``set_context_parallel``).
     """
 
 

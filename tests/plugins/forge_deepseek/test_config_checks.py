@@ -22,7 +22,10 @@ DEBUG = Path(__file__).resolve().parents[3] / "configs" / "deepseek_debug.toml"
         (["--model.ffn.first_moe_layer=2"], "the deepseek_v3 family places its MoE layers itself"),
         (["--model.ffn.every_n_layers=2"], "leave both unset, and set n_dense_layers instead"),
         (["--distributed.tp=2"], "MultiHeadLatentAttention defines no tensor_parallel_plan()"),
-        (["--distributed.cp=2"], "cp = 2 needs a model whose forward takes positions"),
+        (
+            ["--distributed.cp=2"],
+            "cp = 2: the blocks' attention layer MultiHeadLatentAttention does not gather keys and values across ranks",
+        ),
         (["--model.n_dense_layers=5"], "n_dense_layers: must be at most n_layers (4), got 5"),
         (["--model.attention.qk_rope_head_dim=7"], "qk_rope_head_dim: must be even"),
         (["--model.qk_norm=true"], "[model] qk_norm = true has no effect with [model.attention] name = 'mla'"),

@@ -16,13 +16,13 @@ every rank; activations elsewhere (feed-forward, norms, logits) are ``1 / cp`` o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from forge_lm.components import ContextParallelAttention
+from forge_lm.components import ContextParallelAttention, ContextParallelModel
 
 # The batch entries laid out along the sequence (dimension 1) that each rank slices.
 SEQUENCE_KEYS = ("input_ids", "labels", "document_ids")
@@ -98,12 +98,37 @@ class _AllGather(torch.autograd.Function):
         return mine, None, None, None, None
 
 
+@runtime_checkable
+class _AttributeOnly(Protocol):
+    """:class:`~forge_lm.components.ContextParallelModel` as plugin API 1.2 defined it: a
+    ``context_parallel`` attribute (and ``forward(..., positions=)``), no ``set_context_parallel``."""
+
+    context_parallel: Any
+
+
+def declares_only_the_attribute(model: object) -> bool:
+    """Whether ``model`` declares context parallelism as plugin API 1.2 did, a ``context_parallel``
+    attribute without ``set_context_parallel(context_parallel)``: deprecated since plugin API 1.3,
+    run by :func:`enable_context_parallel`'s walk of the modules until plugin API 2."""
+    return isinstance(model, _AttributeOnly) and not isinstance(model, ContextParallelModel)
+
+
 def enable_context_parallel(model: torch.nn.Module, context_parallel: ContextParallel) -> None:
-    """Make ``model`` (a :class:`~forge_lm.components.ContextParallelModel`, such as Forge's
-    Transformer) attend across the group: it then expects this rank's slice of each sequence
-    with its ``positions``. Every submodule that declares a ``context_parallel`` attribute (the
-    attention layers that gather keys and values) gets the group too."""
-    model.context_parallel = context_parallel
+    """Make ``model`` attend across the group: it then expects this rank's slice of each sequence
+    with its ``positions``. A :class:`~forge_lm.components.ContextParallelModel` (Forge's
+    Transformer) is told through ``model.set_context_parallel(context_parallel)`` and hands the
+    group to its attention layers itself. A model of plugin API 1.2's protocol (the attribute only,
+    :func:`declares_only_the_attribute`; deprecated) gets it set, and so does every submodule that
+    declares a ``context_parallel`` attribute (:class:`~forge_lm.components.ContextParallelAttention`)."""
+    if isinstance(model, ContextParallelModel):
+        model.set_context_parallel(context_parallel)
+        return
+    if not declares_only_the_attribute(model):
+        raise TypeError(
+            f"{type(model).__name__} declares no set_context_parallel(context_parallel) (ContextParallelModel); "
+            "forge_lm.model.capabilities refuses [distributed] cp > 1 for it before this is reached."
+        )
+    model.context_parallel = context_parallel  # plugin API 1.2's way, until plugin API 2
     for module in model.modules():
         if module is not model and isinstance(module, ContextParallelAttention):
             module.context_parallel = context_parallel

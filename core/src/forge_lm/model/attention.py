@@ -54,8 +54,8 @@ class SequenceGather(Protocol):
     """All that attention needs of context parallelism: every rank's slice of the sequence,
     concatenated along ``dim`` in rank order, differentiably (the gradients of every rank's
     queries flow back to the rank that owns the keys). Implemented by
-    :class:`forge_lm.distributed.context_parallel.ContextParallel`, which the model's set-up
-    spreads to its attention layers."""
+    :class:`forge_lm.distributed.context_parallel.ContextParallel`, which the model hands to its
+    attention layers (:meth:`forge_lm.model.transformer.Transformer.set_context_parallel`)."""
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
 

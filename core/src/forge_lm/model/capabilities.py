@@ -5,7 +5,8 @@ A model family declares what it supports through runtime-checkable protocols in
 cached decoding). The layout of ``[distributed]`` and ``[train]`` needs some of them; one
 missing is a :class:`~forge_lm.errors.ConfigError` naming the family, the capability and the
 setting to change, raised by ``forge config validate`` (on a model built on the meta device,
-which allocates nothing) and by ``forge train`` before anything is transformed.
+which allocates nothing) and by ``forge train`` before anything is transformed. A capability
+declared in a deprecated way still runs, with a warning naming the family (:func:`deprecated_capabilities`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from forge_lm.components import (
     declared_batch_inputs,
 )
 from forge_lm.config import ForgeConfig
+from forge_lm.distributed.context_parallel import declares_only_the_attribute
+from forge_lm.distributed.launch import is_main_process
 from forge_lm.errors import ConfigError
+from forge_lm.notices import warn
 
 
 def _family(config: ForgeConfig) -> str:
@@ -96,25 +100,50 @@ def _tensor_parallel_problems(model: nn.Module, blocks: list[nn.Module] | None, 
 
 def _context_parallel_problems(model: nn.Module, blocks: list[nn.Module] | None, cp: int) -> list[str]:
     attentions = [getattr(b, "attention", None) for b in blocks or []]
-    if (
-        blocks is None
-        or not isinstance(model, ContextParallelModel)
-        or not all(isinstance(a, ContextParallelAttention) for a in attentions)
-    ):
+    # plugin API 1.2's protocol (deprecated): the core's walk reaches the layers, checked through the blocks
+    walked = declares_only_the_attribute(model) and blocks is not None and None not in attentions
+    if not isinstance(model, ContextParallelModel) and not walked:
         return [
-            f"[distributed] cp = {cp} needs a model whose forward takes positions and whose attention layers gather "
-            "keys and values across ranks (ContextParallelModel, a context_parallel attribute on each attention); "
-            "set cp = 1"
+            f"[distributed] cp = {cp} needs a model whose forward takes positions and that hands the "
+            "context-parallel group to its attention layers (ContextParallelModel: set_context_parallel"
+            "(context_parallel) and a context_parallel attribute); set cp = 1"
+        ]
+    lacking = sorted(
+        {type(a).__name__ for a in attentions if a is not None and not isinstance(a, ContextParallelAttention)}
+    )
+    if lacking:
+        return [
+            f"[distributed] cp = {cp}: the blocks' attention layer {', '.join(lacking)} does not gather keys and "
+            "values across ranks (it declares no context_parallel attribute, ContextParallelAttention); set cp = 1 "
+            "or choose a layer that supports it"
+        ]
+    return []
+
+
+def deprecated_capabilities(model: nn.Module, dims: Any) -> list[str]:
+    """What the layout ``dims`` uses of ``model`` that it declares in a deprecated way, one
+    sentence each (it runs, until the plugin API version named)."""
+    if dims.cp > 1 and declares_only_the_attribute(model):
+        return [
+            f"[distributed] cp = {dims.cp}: the model declares context parallelism as plugin API 1.2 did, a "
+            "context_parallel attribute without set_context_parallel(context_parallel), a way deprecated since "
+            "plugin API 1.3 (ContextParallelModel); Forge still sets the attribute on the model and on every "
+            "submodule that declares one, which plugin API 2 will no longer do: the family's plugin should define "
+            "set_context_parallel"
         ]
     return []
 
 
 def check_capabilities(model: nn.Module, config: ForgeConfig, dims: Any) -> None:
-    """Refuse, with a :class:`ConfigError`, a layout that needs what ``model`` lacks."""
+    """Refuse, with a :class:`ConfigError`, a layout that needs what ``model`` lacks; warn (on the
+    main process) of what it declares in a deprecated way."""
     problems = missing_capabilities(model, config, dims)
     if problems:
         listed = "; ".join(problems)
         raise ConfigError(f"{_family(config)} cannot run this layout: {listed}.")
+    if is_main_process():
+        for deprecated in deprecated_capabilities(model, dims):
+            warn(f"{_family(config)}: {deprecated}.")
 
 
 def check_family_supports(config: ForgeConfig, vocab_size: int, registry: Any, dims: Any) -> None:

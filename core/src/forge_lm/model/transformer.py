@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from forge_lm.components import AttentionSpec, ModelContext, RotaryAttention, WindowedAttention
+from forge_lm.components import (
+    AttentionSpec,
+    ContextParallelAttention,
+    ModelContext,
+    RotaryAttention,
+    WindowedAttention,
+)
 from forge_lm.config import ComponentConfig, LlamaOptions, ModelSection
 from forge_lm.errors import ForgeError, PluginError
 from forge_lm.model.attention import Attention, attention_mask, compute_dtype, positional_mask
@@ -88,8 +94,9 @@ class Transformer(nn.Module):
     the logits come out in the autocast dtype (losses upcast them).
     """
 
-    # Set by forge_lm.distributed.context_parallel.enable_context_parallel: this rank then holds
-    # a slice of each sequence and its attention layers gather the group's keys and values.
+    # Set by set_context_parallel (which forge_lm.distributed.context_parallel.enable_context_parallel
+    # calls): this rank then holds a slice of each sequence and its attention layers gather the
+    # group's keys and values.
     context_parallel: ContextParallel | None = None
 
     def __init__(
@@ -152,6 +159,26 @@ class Transformer(nn.Module):
                 self.layers[key] = _wrapped(wrap, int(key), self.layers[key])
         else:
             self.layers = nn.ModuleList(_wrapped(wrap, i, block) for i, block in enumerate(self.layers))
+
+    def set_context_parallel(self, context_parallel: ContextParallel | None) -> None:
+        """Attend across ``context_parallel``'s group, or within this rank's tokens again (None)
+        (:class:`~forge_lm.components.ContextParallelModel`): the model then takes a slice of each
+        sequence with its ``positions``, and the attention layer of every block it holds (a
+        pipeline stage: its own) gathers the group's keys and values. Refused, naming the layer,
+        when a block's attention does not declare ``context_parallel``
+        (:class:`~forge_lm.components.ContextParallelAttention`); nothing is set then."""
+        attentions = [getattr(block, "attention", None) for block in self.blocks()]
+        if context_parallel is not None:
+            lacking = sorted({type(a).__name__ for a in attentions if not isinstance(a, ContextParallelAttention)})
+            if lacking:
+                raise ForgeError(
+                    f"context parallelism: the blocks' attention layer {', '.join(lacking)} does not gather keys and "
+                    "values across ranks (it declares no context_parallel attribute, ContextParallelAttention)."
+                )
+        for attention in attentions:
+            if isinstance(attention, ContextParallelAttention):
+                attention.context_parallel = context_parallel
+        self.context_parallel = context_parallel
 
     def tensor_parallel_plan(self) -> dict[str, Any]:
         """How ``tp`` splits the modules outside the blocks (those this model or stage holds):
