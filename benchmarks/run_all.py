@@ -2,7 +2,8 @@
 
 Runs, each in a fresh interpreter with the arguments below (sized so that the whole run
 stays under 15 minutes on a 2-core CPU): start-up (``bench_startup.py``), training
-throughput (``bench_train.py``), data loading (``bench_data.py``), checkpoint saving
+throughput (``bench_train.py``), the loop's fixed cost per step part by part
+(``bench_overhead.py``), data loading (``bench_data.py``), checkpoint saving
 (``bench_checkpoint.py``), and, when their scripts exist, the Muon optimizer step
 (``bench_muon.py``) and the MoE layer (``bench_moe.py``), then the throughput regression check
 (``check_train_ratio.py``, failing below 0.95x the plain loop); a missing script is skipped
@@ -30,6 +31,7 @@ from _record import HERE, RESULTS, headlines, write_results_md
 BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_startup.py", ["--rounds", "10"], ["--rounds", "2", "--warmup", "1"]),
     ("bench_train.py", ["--rounds", "3", "--steps", "10", "--compile"], ["--quick"]),
+    ("bench_overhead.py", ["--steps", "300", "--rounds", "5"], ["--steps", "30", "--rounds", "1"]),
     ("bench_data.py", ["--rounds", "5"], ["--quick"]),
     ("bench_checkpoint.py", ["--rounds", "5"], ["--quick"]),
     ("bench_muon.py", ["--rounds", "3"], ["--rounds", "2", "--warmup", "1"]),

@@ -1,0 +1,41 @@
+"""benchmarks/bench_overhead.py: the loop's parts are timed where the loop calls them, every
+step, nested parts inside their parent, and the loop is left as it was afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from forge_lm.plugins import PluginManager, PluginSettings
+from forge_lm.train import run, step
+from forge_lm.train.guards import SchedulerGuard
+
+
+def test_each_part_is_timed_once_a_step_inside_the_step_and_the_loop_is_restored(bench, tmp_path):
+    overhead = bench("bench_overhead")
+    before = (run.compute_gradients, step.clip_grads, run.Run.step, SchedulerGuard.check_rates)
+    collect_was_own = "collect_metrics" in vars(PluginManager)
+
+    periods, parts = overhead.forge_steps(8, tmp_path / "run", PluginSettings(autoload=False))
+
+    assert len(periods) == 6  # steps 2 to 7 of 8: the first and the last are left out
+    assert set(parts) == {part for part, *_ in overhead.PARTS}
+    gradients = parts["forward, loss, backward and clipping (compute_gradients)"]
+    for index, period in enumerate(periods):
+        inner = [values[index] for part, values in parts.items() if part.startswith("  ")]
+        top = [values[index] for part, values in parts.items() if not part.startswith("  ")]
+        assert all(value > 0 for value in inner + top), index  # every part ran in every step
+        assert sum(inner) < gradients[index]  # the loader and the clipping run inside compute_gradients
+        assert sum(top) < period  # the parts fit in the step they were timed in
+    assert (run.compute_gradients, step.clip_grads, run.Run.step, SchedulerGuard.check_rates) == before
+    assert ("collect_metrics" in vars(PluginManager)) is collect_was_own
+
+
+def test_a_part_that_is_not_called_where_the_loop_looks_is_caught(bench, tmp_path, monkeypatch):
+    """If the loop stopped calling a part through the wrapped name (a rename), its time would be
+    zero: the check above would fail; here a part is made unreachable to show it."""
+    overhead = bench("bench_overhead")
+    monkeypatch.setattr(overhead, "PARTS", [*overhead.PARTS, ("never called", PluginManager, "manifest_hash", False)])
+
+    _, parts = overhead.forge_steps(6, tmp_path / "run", PluginSettings(autoload=False))
+
+    assert parts["never called"] == pytest.approx([0.0] * 4)
