@@ -44,8 +44,14 @@ TINY = [
 ]
 
 
+def _one_process_args(steps: int) -> list[str]:
+    """What follows ``forge train`` in :func:`_train` but the output directory and extras: the
+    command line of a run of ``one_process_runs`` (tests/core/distributed/conftest.py)."""
+    return ["--no-plugin-autoload", *TINY, f"--train.max_steps={steps}"]
+
+
 def _train(run_dir: Path, steps: int, *extra: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    args = ["train", "--no-plugin-autoload", *TINY, f"--train.max_steps={steps}", f"--train.output_dir={run_dir}"]
+    args = ["train", *_one_process_args(steps), f"--train.output_dir={run_dir}"]
     if nproc == 1:
         command = [sys.executable, "-m", "forge_lm", *args, *extra]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
@@ -138,31 +144,35 @@ def test_step_matches_the_single_process_step(tmp_path: Path, layout: list[str],
     assert numbers["max_grad_error"] < 1e-4, numbers["worst_parameter"]
 
 
-def test_forge_train_under_cp_logs_the_losses_of_one_process_and_resumes_in_one(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def reference(one_process_runs) -> dict[int, dict[str, float]]:
+    """Four steps in one process (``_train(run_dir, 4)``): what the cp runs must reproduce (the
+    run test_torchrun_cli.py compares with too, trained once per session)."""
+    return metrics_by_step(one_process_runs.read(*_one_process_args(4)))
+
+
+def test_forge_train_under_cp_logs_the_losses_of_one_process_and_resumes_in_one(tmp_path: Path, reference) -> None:
     """cp ranks share the batch: the per-rank batch is the global batch (4, as in one process)."""
-    expected_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    _train(expected_dir, 4)
+    run_dir = tmp_path / "run"
     result = _train(run_dir, 2, "--distributed.cp=2", nproc=2)
     assert "dp_shard=1 tp=1 pp=1 ep=1 cp=2; model transforms: fsdp2" in result.stderr
     resumed = _train(run_dir, 4)
     assert "resumed from" in resumed.stderr
     assert "global batch changed" not in resumed.stderr
-    expected, actual = metrics_by_step(expected_dir), metrics_by_step(run_dir)
+    expected, actual = reference, metrics_by_step(run_dir)
     for step in (1, 2, 3, 4):  # the loss and norm of every step, the eval loss at 2 (cp) and 4 (resumed)
         for key in ("loss", "grad_norm", "eval/loss"):
             if key in expected[step]:
                 assert actual[step][key] == pytest.approx(expected[step][key], rel=1e-5), (step, key)
 
 
-def test_a_one_process_checkpoint_resumes_under_cp(tmp_path: Path) -> None:
+def test_a_one_process_checkpoint_resumes_under_cp(tmp_path: Path, reference, one_process_runs) -> None:
     """The other direction: steps 1-2 in one process, 3-4 on a cp group of 2 ranks, against an
     uninterrupted one-process run."""
-    expected_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    _train(expected_dir, 4)
-    _train(run_dir, 2)
+    run_dir = one_process_runs.copy(tmp_path / "run", *_one_process_args(2))  # _train(run_dir, 2)
     resumed = _train(run_dir, 4, "--distributed.cp=2", nproc=2)
     assert "resumed from" in resumed.stderr
-    expected, actual = metrics_by_step(expected_dir), metrics_by_step(run_dir)
+    expected, actual = reference, metrics_by_step(run_dir)
     for step in (3, 4):
         for key in ("loss", "grad_norm", "eval/loss"):
             if key in expected[step]:

@@ -34,10 +34,16 @@ TINY = [
 ]
 
 
+def _one_process_args(steps: int) -> list[str]:
+    """What follows ``forge train`` in :func:`_one_process` but the output directory and extras:
+    the command line of a run of ``one_process_runs`` (tests/core/distributed/conftest.py)."""
+    return ["--no-plugin-autoload", *TINY, "--train.batch_size=4", f"--train.max_steps={steps}"]
+
+
 def _one_process(run_dir: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    args = [*TINY, "--train.batch_size=4", f"--train.max_steps={steps}", f"--train.output_dir={run_dir}", *extra]
+    args = [*_one_process_args(steps), f"--train.output_dir={run_dir}", *extra]
     return subprocess.run(
-        [sys.executable, "-m", "forge_lm", "train", "--no-plugin-autoload", *args],
+        [sys.executable, "-m", "forge_lm", "train", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -56,11 +62,10 @@ def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, float]]:
-    """Four steps in one process: what every layout below must reproduce."""
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    _ok(_one_process(run_dir, 4))
-    return metrics_by_step(run_dir)
+def reference(one_process_runs) -> dict[int, dict[str, float]]:
+    """Four steps in one process: what every layout below must reproduce (the run
+    test_context_parallel.py compares with too, trained once per session)."""
+    return metrics_by_step(one_process_runs.read(*_one_process_args(4)))
 
 
 def _assert_same_steps(actual, expected, steps) -> None:
@@ -99,9 +104,8 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tmp_path: Path, reference) -> N
     _assert_same_steps(metrics_by_step(run_dir), reference, [3, 4])
 
 
-def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path, reference) -> None:
-    run_dir = tmp_path / "run"
-    _ok(_one_process(run_dir, 2))
+def test_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path, reference, one_process_runs) -> None:
+    run_dir = one_process_runs.copy(tmp_path / "run", *_one_process_args(2))  # _one_process(run_dir, 2)
     resumed = _ok(_two_ranks(run_dir, 4))
     assert resumed.stderr.count("resumed from") == 1  # the run's message, said by rank 0 only
     _assert_same_steps(metrics_by_step(run_dir), reference, [3, 4])
