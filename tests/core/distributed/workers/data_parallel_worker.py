@@ -1,15 +1,23 @@
 """Run under torchrun: one training step of the loop's own code on 2 ranks against the
-single-process step on the same global batch (computed in each rank, from the same weights).
+single-process step on the same global batch (computed in each rank, from the same weights),
+for each of several layouts in turn, in one launch.
 
-Usage: data_parallel_worker.py OUT_JSON [--section.key=value ...]
-Writes {"loss", "reference_loss", "grad_norm", "reference_grad_norm", "max_grad_error"} from
-rank 0; exits 1 on a mismatch.
+Usage: data_parallel_worker.py OUT_JSON CASES_JSON, CASES_JSON a JSON object of
+{case name: [--section.key=value, ...]}. Each case builds its own parts (the first joins the
+process group, the others find it joined), model, data and optimizer, and shows its own
+warnings (the warnings registry is reset for each case, as a fresh process starts with none).
+Writes from rank 0 {case: {"loss", "reference_loss", "grad_norm", "reference_grad_norm",
+"max_grad_error", ..., "ok", "stderr"}}: "ok" the case's own check, "stderr" what rank 0
+printed to stderr during the case. Exits 0 once every case ran; 1 if one did not finish.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,8 +39,43 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+class _Tee(io.TextIOBase):
+    """Writes to a case's own record and on to the launch's stderr."""
+
+    def __init__(self, *streams) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
 def main() -> int:
-    out, overrides = sys.argv[1], sys.argv[2:]
+    out, cases = sys.argv[1], json.loads(sys.argv[2])
+    results = {}
+    for name, overrides in cases.items():
+        printed = io.StringIO()
+        # catch_warnings() marks the filters changed, which empties every module's registry of
+        # warnings already shown: a warning this case raises is shown, as in a process of its own.
+        with warnings.catch_warnings(), contextlib.redirect_stderr(_Tee(printed, sys.stderr)):
+            result = run_case(overrides)
+            sys.stderr.flush()
+        results[name] = {**result, "stderr": printed.getvalue()}
+    if dist.get_rank() == 0:
+        with open(out, "w") as handle:
+            json.dump(results, handle)
+    dist.barrier()  # no rank tears its groups down while another still uses them
+    dist.destroy_process_group()
+    return 0
+
+
+def run_case(overrides: list[str]) -> dict:
+    """One layout's step against the single-process step: the numbers, and ``ok``."""
     # Installed plugins too (forge-optim-muon's optimizer is compared below).
     manager = PluginManager(PluginSettings(allow=("muon",)))
     base = [
@@ -144,13 +187,8 @@ def main() -> int:
         # full-size updates of the other sign.)
         and (bf16 or update_error < 1e-2 * update_scale)
     )
-    if rank == 0:
-        with open(out, "w") as handle:
-            json.dump(result, handle)
     print(f"rank {rank}: {result}", flush=True)
-    dist.barrier()  # no rank tears its groups down while another still uses them
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    return {**result, "ok": bool(ok)}
 
 
 def _dp(parts) -> tuple[int, int]:
