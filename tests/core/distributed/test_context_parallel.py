@@ -120,20 +120,41 @@ def test_unsupported_or_inconsistent_degrees_are_refused(
     assert message in str(error.value)
 
 
+# The layouts of the worker's step: (its arguments, ranks). One launch per number of ranks runs
+# every layout of that number in turn, each with its own parts, model and batch.
+STEP_LAYOUTS = {
+    "cp2": (["--distributed.cp=2"], 2),
+    "cp2-documents": (["--distributed.cp=2", "--documents"], 2),
+    "cp2-checkpointed": (["--distributed.cp=2", "--train.activation_checkpointing=full"], 2),
+    "cp2-fsdp2-4-ranks": (["--distributed.cp=2", "--distributed.dp_shard=2"], 4),
+}
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory: pytest.TempPathFactory):
+    """``steps(layout)``: the worker's numbers for ``layout``; one launch per number of ranks, run
+    for every layout of that number when the first is asked for."""
+    launched: dict[int, dict] = {}
+
+    def step(layout: str) -> dict:
+        nproc = STEP_LAYOUTS[layout][1]
+        if nproc not in launched:
+            cases = {name: args for name, (args, ranks) in STEP_LAYOUTS.items() if ranks == nproc}
+            out = tmp_path_factory.mktemp(f"{nproc}-ranks") / "result.json"
+            result = torchrun([str(WORKER), str(out), json.dumps(cases)], nproc=nproc)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            launched[nproc] = json.loads(out.read_text())
+        return launched[nproc][layout]
+
+    return step
+
+
 @pytest.mark.parametrize(
-    ("layout", "nproc"),
-    [
-        pytest.param(["--distributed.cp=2"], 2, id="cp2"),
-        pytest.param(["--distributed.cp=2", "--documents"], 2, id="cp2-documents"),
-        pytest.param(["--distributed.cp=2", "--train.activation_checkpointing=full"], 2, id="cp2-checkpointed"),
-        pytest.param(["--distributed.cp=2", "--distributed.dp_shard=2"], 4, id="cp2-fsdp2-4-ranks"),
-    ],
+    ("layout", "nproc"), [pytest.param(args, nproc, id=name) for name, (args, nproc) in STEP_LAYOUTS.items()]
 )
-def test_step_matches_the_single_process_step(tmp_path: Path, layout: list[str], nproc: int) -> None:
-    out = tmp_path / "result.json"
-    result = torchrun([str(WORKER), str(out), *layout], nproc=nproc)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    numbers = json.loads(out.read_text())
+def test_step_matches_the_single_process_step(steps, request, layout: list[str], nproc: int) -> None:
+    numbers = steps(request.node.callspec.id)
+    assert numbers["ok"], numbers  # the worker's own check of the step
     assert numbers["cp"] == 2
     assert numbers["dp_size"] == nproc // 2  # the ranks of a cp group read the same data
     assert numbers["sharded"]

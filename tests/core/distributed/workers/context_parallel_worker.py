@@ -1,10 +1,12 @@
 """Run under torchrun: one training step of the loop's own code with context parallelism
 against the single-process step on the same batch (computed in each rank, from the same weights).
 
-Usage: context_parallel_worker.py OUT_JSON [--documents] [--section.key=value ...]
+Usage: context_parallel_worker.py OUT_JSON CASES_JSON, CASES_JSON a JSON object of
+{case name: [--documents] [--section.key=value ...]}, run in turn in one launch, each with its
+own parts (the first joins the process group, the others find it joined), model and batch.
 ``--documents`` gives the batch packed documents (``document_ids``), whose masks must cross the
-ranks' slices. Writes {"loss", "reference_loss", "grad_norm", "reference_grad_norm",
-"max_grad_error", ...} from rank 0; exits 1 on a mismatch.
+ranks' slices. Writes {case: {"loss", "reference_loss", "grad_norm", "reference_grad_norm",
+"max_grad_error", ..., "ok"}} from rank 0, "ok" the case's own check; exits 0 once every case ran.
 """
 
 from __future__ import annotations
@@ -33,7 +35,18 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> int:
-    out, rest = sys.argv[1], sys.argv[2:]
+    out, cases = sys.argv[1], json.loads(sys.argv[2])
+    results = {name: run_case(rest) for name, rest in cases.items()}
+    if dist.get_rank() == 0:
+        with open(out, "w") as handle:
+            json.dump(results, handle)
+    dist.barrier()  # no rank tears its groups down while another still uses them
+    dist.destroy_process_group()
+    return 0
+
+
+def run_case(rest: list[str]) -> dict:
+    """One case's step against the single-process step: the numbers, and ``ok``."""
     documents = "--documents" in rest
     overrides = [arg for arg in rest if arg != "--documents"]
     manager = PluginManager(PluginSettings(autoload=False))
@@ -110,13 +123,8 @@ def main() -> int:
         and abs(grad_norm - reference_norm) < 1e-4 * max(1.0, reference_norm)
         and result["max_grad_error"] < 1e-4
     )
-    if rank == 0:
-        with open(out, "w") as handle:
-            json.dump(result, handle)
     print(f"rank {rank}: {result}", flush=True)
-    dist.barrier()  # no rank tears its groups down while another still uses them
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    return {**result, "ok": bool(ok)}
 
 
 if __name__ == "__main__":
