@@ -29,13 +29,38 @@ WORKER = Path(__file__).parent / "workers" / "tensor_parallel_worker.py"
 TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--train.seq_len=16"]
 
 
-def run_worker(tmp_path: Path, nproc: int, *args: str) -> dict:
-    result_path = tmp_path / "result.json"
-    result = torchrun([str(WORKER), str(result_path), *TINY, *args], nproc=nproc, timeout=300)
-    report = json.loads(result_path.read_text()) if result_path.exists() else None
-    assert result.returncode == 0, f"{report and report['failures']}\n{result.stderr[-4000:]}"
-    assert report is not None
-    return report
+# The worker's cases: (its arguments after TINY, ranks). One launch per number of ranks runs every
+# case of that number in turn, each with its own config, mesh and models.
+CASES = {
+    # vocab 301 is odd: the embedding and head are split 151 + 150 rows, and it still matches.
+    "tied-uneven-vocab": (["--vocab=301", "--distributed.tp=2"], 2),
+    # Two stages run one after the other in each process (no pipeline schedule): the hidden
+    # state between them is [B, T, dim], as the stages' forward expects; untied head (pipeline
+    # stages cannot tie), so output.weight is a parameter of its own.
+    "stages": (["--vocab=300", "--distributed.tp=2", "--stages", "--model.tie_embeddings=false"], 2),
+    # 4 ranks: dp_shard = 2 x tp = 2, each data-parallel pair reads half of the batch; FSDP2
+    # shards the tied embedding/head DTensor again over dp_shard.
+    "fsdp2-checkpointed": (["--vocab=301", "--distributed.tp=2", "--train.activation_checkpointing=selective"], 4),
+}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory):
+    """``reports(case)``: the worker's report of ``case``; one launch per number of ranks, run for
+    every case of that number when the first is asked for."""
+    launched: dict[int, dict] = {}
+
+    def report_of(case: str) -> dict:
+        nproc = CASES[case][1]
+        if nproc not in launched:
+            cases = {name: [*TINY, *args] for name, (args, ranks) in CASES.items() if ranks == nproc}
+            result_path = tmp_path_factory.mktemp(f"{nproc}-ranks") / "result.json"
+            result = torchrun([str(WORKER), str(result_path), json.dumps(cases)], nproc=nproc, timeout=300)
+            assert result.returncode == 0, result.stderr[-4000:]
+            launched[nproc] = json.loads(result_path.read_text())
+        return launched[nproc][case]
+
+    return report_of
 
 
 def check_matches_one_process(report: dict) -> None:
@@ -78,9 +103,8 @@ def check_loss_parallel(step: dict, vocab: int) -> None:
     assert seen["local_shape"][-1] == (vocab + 1) // 2 or seen["local_shape"][-1] == vocab // 2
 
 
-def test_tp2_matches_one_process_with_tied_embeddings_and_uneven_vocab(tmp_path: Path) -> None:
-    # vocab 301 is odd: the embedding and head are split 151 + 150 rows, and it still matches.
-    report = run_worker(tmp_path, 2, "--vocab=301", "--distributed.tp=2")
+def test_tp2_matches_one_process_with_tied_embeddings_and_uneven_vocab(reports) -> None:
+    report = reports("tied-uneven-vocab")
     assert report["applied"] == ["tensor_parallel"]
     assert report["dims"].endswith("dp_shard=1 tp=2 pp=1 ep=1")
     check_matches_one_process(report)
@@ -95,11 +119,8 @@ def test_tp2_matches_one_process_with_tied_embeddings_and_uneven_vocab(tmp_path:
     assert placements["norm.weight"] == "(Replicate(),)"
 
 
-def test_tp2_pipeline_stages_pass_the_full_hidden_state_and_match_one_process(tmp_path: Path) -> None:
-    # Two stages run one after the other in each process (no pipeline schedule): the hidden
-    # state between them is [B, T, dim], as the stages' forward expects; untied head (pipeline
-    # stages cannot tie), so output.weight is a parameter of its own.
-    report = run_worker(tmp_path, 2, "--vocab=300", "--distributed.tp=2", "--stages", "--model.tie_embeddings=false")
+def test_tp2_pipeline_stages_pass_the_full_hidden_state_and_match_one_process(reports) -> None:
+    report = reports("stages")
     assert report["stages"] == 2
     assert report["applied"] == ["tensor_parallel"]
     check_matches_one_process(report)
@@ -107,10 +128,8 @@ def test_tp2_pipeline_stages_pass_the_full_hidden_state_and_match_one_process(tm
     assert report["placements"]["output.weight"] == "(Shard(dim=0),)"
 
 
-def test_tp2_with_fsdp2_and_activation_checkpointing_matches_one_process(tmp_path: Path) -> None:
-    # 4 ranks: dp_shard = 2 x tp = 2, each data-parallel pair reads half of the batch; FSDP2
-    # shards the tied embedding/head DTensor again over dp_shard.
-    report = run_worker(tmp_path, 4, "--vocab=301", "--distributed.tp=2", "--train.activation_checkpointing=selective")
+def test_tp2_with_fsdp2_and_activation_checkpointing_matches_one_process(reports) -> None:
+    report = reports("fsdp2-checkpointed")
     assert report["applied"] == ["tensor_parallel", "activation_checkpointing", "fsdp2"]
     assert report["dims"].endswith("dp_shard=2 tp=2 pp=1 ep=1")
     check_matches_one_process(report)

@@ -1,8 +1,11 @@
 """Run under torchrun by tests/core/distributed/test_tensor_parallel.py: a tensor-parallel model
 (and FSDP2 when there are data-parallel ranks) against the same model in one process.
 
-    torchrun --nproc_per_node=N tensor_parallel_worker.py RESULT.json [--vocab V] [--stages] [config overrides...]
+    torchrun --nproc_per_node=N tensor_parallel_worker.py RESULT.json CASES_JSON
 
+``CASES_JSON``: a JSON object of {case name: [--vocab V] [--stages] [config overrides...]}; the
+cases run in turn in one launch (the first joins the process group, the others find it joined),
+each with its own config, mesh, models and optimizers.
 Every rank builds the same initial model (same seed) twice: one copy goes through Forge's model
 transforms, the other stays whole as the reference, which runs the global batch (every
 data-parallel rank's slice). Four training steps, causal then with packed documents
@@ -13,8 +16,9 @@ two as the training loop computes its loss, with the registry's ``cross_entropy`
 split over the vocabulary, never the full logits). Each step compares this rank's loss and
 logits with the reference's on the same rows, every parameter's gradient (gathered with
 ``full_tensor()``) with the reference's, and the global gradient norm. Then a sequence that
-tp does not divide must be refused. Rank 0 writes the largest differences to RESULT.json;
-every rank exits 1 if any exceeds the tolerance.
+tp does not divide must be refused. Rank 0 writes each case's largest differences to
+RESULT.json ({case: report}), with the failures found (``failures``, ``any_rank_failed``);
+every rank exits 0 once every case ran.
 
 ``--stages``: the transformed model is split into two pipeline stages that run one after the
 other in each process (no schedule), to check the hidden state passed between them.
@@ -112,11 +116,22 @@ def recording(loss_fn: VocabParallelLoss, seen: list[dict]) -> VocabParallelLoss
 
 
 def main() -> int:
+    result, cases = sys.argv[1], json.loads(sys.argv[2])
+    reports = {name: run_case(argv) for name, argv in cases.items()}
+    if dist.get_rank() == 0:
+        with open(result, "w") as f:
+            json.dump(reports, f, indent=1)
+    dist.barrier()  # no rank tears its groups down while another still uses them
+    dist.destroy_process_group()
+    return 0
+
+
+def run_case(argv: list[str]) -> dict:
+    """One case: the tensor-parallel model against the one-process model; its report."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("result")
     parser.add_argument("--vocab", type=int, default=301)
     parser.add_argument("--stages", action="store_true", help="split the model into two pipeline stages")
-    args, overrides = parser.parse_known_args()
+    args, overrides = parser.parse_known_args(argv)
 
     manager = PluginManager(entry_points=False)  # built-in components only: nothing installed interferes
     config = load_config(None, overrides, manager.registry)
@@ -238,14 +253,9 @@ def main() -> int:
     dist.all_reduce(flag)
     report["failures"] = failures
     report["any_rank_failed"] = bool(flag.item())
-    if dist.get_rank() == 0:
-        with open(args.result, "w") as f:
-            json.dump(report, f, indent=1)
     if failures:
         print(f"rank {dist.get_rank()}: mismatch: {failures}", file=sys.stderr)
-    dist.barrier()  # no rank tears its groups down while another still uses them
-    dist.destroy_process_group()
-    return 1 if report["any_rank_failed"] else 0
+    return report
 
 
 if __name__ == "__main__":
