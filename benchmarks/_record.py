@@ -255,6 +255,7 @@ def write_results_md() -> None:
             "name in the table above.",
             "",
         ]
+    lines += _hosts_section(records)
     for record in records:
         host = host_of(record)
         section = record_markdown(record)
@@ -298,19 +299,32 @@ def record_markdown(record: dict[str, Any], heading: str = "##") -> list[str]:
         f"Python {m['python']}, torch {m['torch']}, {m['platform']}.",
         "",
     ]
-    rates = m.get("kernel_rates")
-    if rates:
-        lines += [
-            "Measured on this host by Forge when it was idle, from its caches: "
-            + "; ".join(_rate_text(rate) for rate in rates)
-            + ".",
-            "",
-        ]
     if record["notes"]:
         lines += [record["notes"], ""]
     lines += _table(record["rows"])
     for title, rows in (record.get("tables") or {}).items():
         lines += [f"**{title}**", "", *_table(rows)]
+    return lines
+
+
+def _hosts_section(records: list[dict[str, Any]]) -> list[str]:
+    """What Forge measured on each host of these records and cached there (the newest record of
+    each host that carries kernel rates): the figures that tell two hosts of one name apart."""
+    newest: dict[str, dict[str, Any]] = {}
+    for record in sorted(records, key=lambda r: r.get("date", "")):
+        if record["machine"].get("kernel_rates"):
+            newest[host_of(record)] = record
+    if not newest:
+        return []
+    lines = ["## Hosts", ""]
+    for host, record in newest.items():
+        rates = record["machine"]["kernel_rates"]
+        lines += [
+            f"**{host}**, measured by Forge when idle and cached there (as of {record['date']}): "
+            + "; ".join(_rate_text(rate) for rate in rates)
+            + ".",
+            "",
+        ]
     return lines
 
 

@@ -252,8 +252,10 @@ def test_each_record_carries_the_kernel_rates_forge_cached_for_this_host_only(be
         {"what": "fp32 linear products ((64, 32, 48),): oneDNN / torch's speed", "ratio": 0.5, "where": threads},
     ]  # fmt: skip
     assert record.kernel_rates("Intel Xeon", ["avx2", "fma"]) == []
-    section = "\n".join(record.record_markdown({**record.make_record("x", "y", []), "machine": {
-        **record.machine(), "kernel_rates": rates}}))  # fmt: skip
-    assert "Measured on this host by Forge when it was idle, from its caches: fp32 peak (" in section
-    assert "150.0 GFLOP/s" in section
-    assert "oneDNN / torch's speed 0.5x" in section
+    made = record.make_record("x", "y", [])
+    made["machine"].update(cpu_model="AMD EPYC", cpus=2, cpu_flags=["avx2", "fma"], kernel_rates=rates)
+    hosts = "\n".join(record._hosts_section([made]))
+    assert hosts.startswith("## Hosts\n\n**AMD EPYC, 2 CPUs (avx2 fma)**, measured by Forge when idle")
+    assert "fp32 peak (" in hosts
+    assert "150.0 GFLOP/s" in hosts
+    assert "oneDNN / torch's speed 0.5x" in hosts
