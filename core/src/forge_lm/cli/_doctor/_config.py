@@ -46,17 +46,13 @@ def precision(context: Context) -> list[Check]:
     faster choice is pointed out rather than taken. ``"fp16"``: whether float16 autocast runs on
     the device (every CUDA GPU has fp16; on a CPU a tiny autocast product is run to see) and, on
     a CPU, whether it has fp16 matrix instructions. Nothing when the device does not resolve."""
-    if context.config is None or context.torch is None:
+    resolved = _run_device(context)
+    if resolved is None:
         return []
-    from forge_lm.errors import ForgeError
     from forge_lm.hardware import cpu_multiplies_bf16
-    from forge_lm.train.device import autocast_dtype, resolve_device
+    from forge_lm.train.device import autocast_dtype
 
     setting = context.config.train.precision
-    try:
-        resolved = resolve_device(context.config.train.device)
-    except ForgeError:
-        return []
     dtype = autocast_dtype(setting, resolved)
     if dtype == context.torch.float16:
         return _fp16_precision(context, resolved)
@@ -134,19 +130,16 @@ def peak_flops(context: Context) -> list[Check]:
     """The peak FLOP/s that MFU divides by, and where it comes from; nothing when the device
     does not resolve (the device row says why). A check stays quick, so a CPU peak that would
     have to be measured is only announced: the first run measures it."""
-    if context.config is None or context.torch is None:
+    resolved = _run_device(context)
+    if resolved is None:
         return []
     from forge_lm.errors import ForgeError
     from forge_lm.metrics.cpu_peak import known_cpu_peak
     from forge_lm.metrics.mfu import peak_with_source
     from forge_lm.metrics.peak_dtypes import DTYPE_NAMES
-    from forge_lm.train.device import autocast_dtype, resolve_device
+    from forge_lm.train.device import autocast_dtype
 
     config = context.config
-    try:
-        resolved = resolve_device(config.train.device)
-    except ForgeError:
-        return []
     dtype = autocast_dtype(config.train.precision, resolved)
     what = f"{resolved.type} {DTYPE_NAMES.get(dtype, 'fp32')}"  # autocast_dtype: bf16, fp16 or None (fp32)
     configured = config.metrics.peak_flops
@@ -168,17 +161,14 @@ def linear_kernel(context: Context) -> list[Check]:
     for ``"auto"``, the choice measured on this host for this model's products (cached by the
     first run that measured it), or that the first run will measure it. Measures nothing, so the
     check stays quick; left out where the products are not fp32 on a CPU."""
-    if context.config is None or context.torch is None:
+    resolved = _run_device(context)
+    if resolved is None:
         return []
     from forge_lm.errors import ForgeError
     from forge_lm.model.linear import onednn_available
-    from forge_lm.train.device import autocast_dtype, resolve_device
+    from forge_lm.train.device import autocast_dtype
 
     config = context.config
-    try:
-        resolved = resolve_device(config.train.device)
-    except ForgeError:
-        return []
     if resolved.type != "cpu" or autocast_dtype(config.train.precision, resolved) is not None:
         return []
     setting = config.train.cpu_linear_kernel
@@ -214,6 +204,20 @@ def linear_kernel(context: Context) -> list[Check]:
             )
         ]
     return [Check("linear kernel", OK, f"auto: {choice.reason}")]
+
+
+def _run_device(context: Context):
+    """The device the valid config's run computes on; None without a valid config or torch, or
+    when the device does not resolve (the config and device rows say why)."""
+    if context.config is None or context.torch is None:
+        return None
+    from forge_lm.errors import ForgeError
+    from forge_lm.train.device import resolve_device
+
+    try:
+        return resolve_device(context.config.train.device)
+    except ForgeError:
+        return None
 
 
 def _linear_shapes(context: Context) -> list[tuple[int, int, int]]:
