@@ -206,11 +206,13 @@ SLOW_TESTS: tuple[str, ...] = (
     "tests/test_tiers.py::test_the_fast_tier_deselects_what_the_entries_mark",
 )
 # Fixtures that launch ranks, build wheels or train a run: every test using one is slow (its
-# first user pays for it). "ranks" is test_health.py's two-rank launch; "one_process_runs" is
-# tests/core/distributed/conftest.py's forge train runs shared by the distributed tests.
+# first user pays for it). "ranks" is test_health.py's two-rank launch; "one_process_runs" and
+# "launches_by_rank_count" are tests/core/distributed/conftest.py's forge train runs and worker
+# launches shared by the distributed tests.
 SLOW_FIXTURES = frozenset(
-    {"forge_cli", "pipelined", "using_forge", "wheelhouse", "ep_run", "two_rank_saves", "ranks", "one_process_runs"}
-)
+    {"forge_cli", "pipelined", "using_forge", "wheelhouse", "ep_run", "two_rank_saves", "ranks", "one_process_runs",
+     "launches_by_rank_count"}
+)  # fmt: skip
 
 
 def _is_slow(nodeid: str, fixturenames: list[str]) -> bool:

@@ -5,6 +5,7 @@ resume from on other ranks)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,6 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+
+from forge_lm.testing.distributed import torchrun
 
 
 def _key(args: Sequence[str]) -> tuple[str, ...]:
@@ -64,3 +67,33 @@ class OneProcessRuns:
 @pytest.fixture(scope="session")
 def one_process_runs(tmp_path_factory: pytest.TempPathFactory) -> OneProcessRuns:
     return OneProcessRuns(lambda: tmp_path_factory.mktemp("one-process"))
+
+
+# A case: the worker's arguments for it, and the number of ranks it runs on.
+Cases = dict[str, tuple[list[str], int]]
+
+
+@pytest.fixture(scope="session")
+def launches_by_rank_count(tmp_path_factory: pytest.TempPathFactory):
+    """``launches_by_rank_count(worker, cases)``: a function ``launch(case) -> (the worker's
+    results for case, the whole launch's output)``. The worker (``worker RESULT_PATH CASES_JSON``,
+    rank 0 writing ``{case: results}``) runs under torchrun once per number of ranks, every case of
+    that number in turn, the first time one of them is asked for: one launch instead of one per case."""
+
+    def launches(worker: Path, cases: Cases, timeout: float = 600.0) -> Callable[[str], tuple[dict, str]]:
+        launched: dict[int, tuple[dict, str]] = {}
+
+        def launch(case: str) -> tuple[dict, str]:
+            nproc = cases[case][1]
+            if nproc not in launched:
+                batch = {name: args for name, (args, ranks) in cases.items() if ranks == nproc}
+                out = tmp_path_factory.mktemp(f"{nproc}-ranks") / "result.json"
+                result = torchrun([str(worker), str(out), json.dumps(batch)], nproc=nproc, timeout=timeout)
+                assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+                launched[nproc] = json.loads(out.read_text()), result.stdout + result.stderr
+            results, output = launched[nproc]
+            return results[case], output
+
+        return launch
+
+    return launches

@@ -9,7 +9,6 @@ model, the layout, and the refused combinations.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -131,22 +130,11 @@ STEP_LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def steps(tmp_path_factory: pytest.TempPathFactory):
+def steps(launches_by_rank_count):
     """``steps(layout)``: the worker's numbers for ``layout``; one launch per number of ranks, run
     for every layout of that number when the first is asked for."""
-    launched: dict[int, dict] = {}
-
-    def step(layout: str) -> dict:
-        nproc = STEP_LAYOUTS[layout][1]
-        if nproc not in launched:
-            cases = {name: args for name, (args, ranks) in STEP_LAYOUTS.items() if ranks == nproc}
-            out = tmp_path_factory.mktemp(f"{nproc}-ranks") / "result.json"
-            result = torchrun([str(WORKER), str(out), json.dumps(cases)], nproc=nproc)
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-            launched[nproc] = json.loads(out.read_text())
-        return launched[nproc][layout]
-
-    return step
+    launch = launches_by_rank_count(WORKER, STEP_LAYOUTS)
+    return lambda layout: launch(layout)[0]
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,9 @@ of ranks, not once per layout; each test reads its layout's numbers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-
-from forge_lm.testing.distributed import torchrun
 
 WORKER = Path(__file__).parent / "workers" / "data_parallel_worker.py"
 # Every layout the worker runs: (its overrides, ranks). In one launch they run in this order,
@@ -33,23 +30,10 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def steps(tmp_path_factory: pytest.TempPathFactory):
+def steps(launches_by_rank_count):
     """``steps(layout)``: the worker's numbers for ``layout`` and the whole launch's output; one
     launch per number of ranks, run for every layout of that number when the first is asked for."""
-    launched: dict[int, tuple[dict, str]] = {}
-
-    def step(layout: str) -> tuple[dict, str]:
-        nproc = LAYOUTS[layout][1]
-        if nproc not in launched:
-            cases = {name: overrides for name, (overrides, ranks) in LAYOUTS.items() if ranks == nproc}
-            out = tmp_path_factory.mktemp(f"{nproc}-ranks") / "result.json"
-            result = torchrun([str(WORKER), str(out), json.dumps(cases)], nproc=nproc)
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-            launched[nproc] = json.loads(out.read_text()), result.stdout + result.stderr
-        numbers, output = launched[nproc]
-        return numbers[layout], output
-
-    return step
+    return launches_by_rank_count(WORKER, LAYOUTS)
 
 
 @pytest.mark.parametrize(

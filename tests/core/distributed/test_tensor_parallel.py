@@ -9,7 +9,6 @@ the differences to a JSON file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,6 @@ from forge_lm.distributed import ParallelDims, TransformContext
 from forge_lm.distributed.tensor_parallel import tensor_parallel_transform
 from forge_lm.errors import ConfigError
 from forge_lm.model import build_model
-from forge_lm.testing.distributed import torchrun
 
 WORKER = Path(__file__).parent / "workers" / "tensor_parallel_worker.py"
 # dim 64, 4 query heads over 2 key/value heads (GQA: each rank holds 2 query heads and 1 kv head)
@@ -45,22 +43,12 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory):
+def reports(launches_by_rank_count):
     """``reports(case)``: the worker's report of ``case``; one launch per number of ranks, run for
     every case of that number when the first is asked for."""
-    launched: dict[int, dict] = {}
-
-    def report_of(case: str) -> dict:
-        nproc = CASES[case][1]
-        if nproc not in launched:
-            cases = {name: [*TINY, *args] for name, (args, ranks) in CASES.items() if ranks == nproc}
-            result_path = tmp_path_factory.mktemp(f"{nproc}-ranks") / "result.json"
-            result = torchrun([str(WORKER), str(result_path), json.dumps(cases)], nproc=nproc, timeout=300)
-            assert result.returncode == 0, result.stderr[-4000:]
-            launched[nproc] = json.loads(result_path.read_text())
-        return launched[nproc][case]
-
-    return report_of
+    cases = {name: ([*TINY, *args], ranks) for name, (args, ranks) in CASES.items()}
+    launch = launches_by_rank_count(WORKER, cases, timeout=300)
+    return lambda case: launch(case)[0]
 
 
 def check_matches_one_process(report: dict) -> None:
