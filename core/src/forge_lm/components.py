@@ -169,6 +169,20 @@ class SavesLocalState(Protocol):
 
 
 @runtime_checkable
+class ReadsBatches(Protocol):
+    """A dataset that reads a whole batch at once, faster than sample by sample (plugin API 1.4).
+
+    ``read_batch(size)`` returns what ``size`` draws of the dataset's iterator would, stacked as
+    the loader stacks them: a dict of tensors ``[size, *sample_shape]``, the same keys, values and
+    dtypes; None where the iterator would end first (a finite dataset: its incomplete last batch
+    is dropped). It advances the dataset as those draws would, so its ``state_dict()`` afterwards
+    is the state after ``size`` samples. The loader then calls it instead of the iterator; it
+    checks what comes back as it checks any batch."""
+
+    def read_batch(self, size: int) -> Mapping[str, Any] | None: ...
+
+
+@runtime_checkable
 class Scheduler(Protocol):
     """A learning-rate scheduler (a torch ``LRScheduler`` is one): ``step()`` once per optimizer
     step, its position saved and restored with the checkpoint."""

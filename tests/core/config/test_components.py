@@ -244,7 +244,7 @@ def test_a_component_of_an_incompatible_plugin_cannot_be_selected(builtins, erro
     builtins.add_plugin(FuturePlugin(), "future", distribution="forge-future", version="3.0")
     assert error(None, "--loss.name=future") == (
         "[loss] name = 'future': loss 'future' comes from plugin 'future' (forge-future 3.0), which is "
-        "incompatible: supports plugin API >=2 but this core provides 1.3; install a release of the plugin "
+        "incompatible: supports plugin API >=2 but this core provides 1.4; install a release of the plugin "
         "made for this core, or a core that provides API >=2."
     )
 

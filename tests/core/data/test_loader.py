@@ -7,6 +7,7 @@ import io
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -283,3 +284,87 @@ def test_a_reading_ahead_loader_ends_a_finite_dataset_as_the_plain_one_does():
     same_batches(list(reading), list(plain_loader))  # 3 batches; the odd sample is dropped
     assert reading.state_dict() == plain_loader.state_dict() == {"dataset": {"position": 7}, "batches": 3}
     assert not reader_threads()
+
+
+class BatchReadingDataset(ListDataset):
+    """A :class:`ListDataset` that also reads whole batches, counting the calls of each kind."""
+
+    def __init__(self, samples, batch=None):
+        super().__init__(samples)
+        self.batch_reads, self.threads, self.batch = 0, set(), batch
+
+    def __iter__(self):
+        raise AssertionError("a dataset that reads batches is not iterated by the loader")
+
+    def read_batch(self, size):
+        self.batch_reads += 1
+        self.threads.add(threading.current_thread().name)
+        if self.batch is not None:  # a stand-in for a broken read_batch
+            return self.batch
+        if self.position + size > len(self.samples):
+            return None
+        chosen, self.position = self.samples[self.position : self.position + size], self.position + size
+        return {key: torch.stack([sample[key] for sample in chosen]) for key in chosen[0]}
+
+
+def _counting_samples(count):
+    return [{"input_ids": torch.arange(4) + i, "labels": torch.arange(1, 5) + i} for i in range(count)]
+
+
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_a_dataset_that_reads_batches_is_asked_for_whole_batches(read_ahead):
+    dataset = BatchReadingDataset(_counting_samples(7))
+    loader = BatchLoader(dataset, 3, vocab_size=16, seq_len=4, read_ahead=read_ahead)
+    batches = list(loader)  # 7 samples: two batches of 3, the seventh dropped
+    assert [batch["input_ids"][:, 0].tolist() for batch in batches] == [[0, 1, 2], [3, 4, 5]]
+    assert torch.equal(batches[1]["labels"], torch.arange(1, 5) + torch.tensor([[3], [4], [5]]))
+    assert dataset.batch_reads == 3  # the third found the end
+    assert dataset.threads == ({READER} if read_ahead else {threading.current_thread().name})
+    loader.close()
+
+
+def test_the_text_datasets_batches_are_their_samples_read_one_by_one(byte_context):
+    """The built-in datasets read batches (``read_batch``); over shard boundaries, epochs and a
+    restore, each batch is what collating the same dataset's samples gives."""
+    from forge_lm.data.loader import collate
+    from forge_lm.data.packing import TokenStream
+    from forge_lm.data.windows import WindowDataset
+
+    tokens = np.random.default_rng(1).integers(0, 257, 700)
+    tokens[::37] = 256  # documents
+    parts = [tokens[:100].astype(np.uint16), tokens[100:101], tokens[101:450], tokens[450:]]
+    context = byte_context(seq_len=16, dp_rank=1, dp_size=2)
+
+    def dataset():
+        return WindowDataset(TokenStream(parts), context, eos_id=256, source="the stream")
+
+    by_batches, by_samples = dataset(), dataset()
+    samples = iter(by_samples)
+    for _ in range(9):  # 9 x 5 x 2 ranks > 43 windows: into the third epoch
+        batch = by_batches.read_batch(5)
+        expected = collate([next(samples) for _ in range(5)])
+        assert batch.keys() == expected.keys()
+        assert all(torch.equal(batch[key], expected[key]) and batch[key].is_contiguous() for key in batch)
+    assert by_batches.state_dict() == by_samples.state_dict()
+    resumed = dataset()
+    resumed.load_state_dict(plain(by_batches.state_dict()))
+    expected = collate([next(samples) for _ in range(4)])
+    assert all(torch.equal(value, expected[key]) for key, value in resumed.read_batch(4).items())
+
+
+@pytest.mark.parametrize(
+    ("batch", "named"),
+    [
+        ([torch.zeros(3, 4)], "returned [tensor("),
+        ({"input_ids": torch.zeros(3, 4, dtype=torch.long), "labels": [1, 2]}, "a dict holding Tensor, list"),
+        ({"input_ids": torch.zeros(2, 4, dtype=torch.long), "labels": torch.zeros(2, 4, dtype=torch.long)}, "[2, 4]"),
+        ({"input_ids": torch.zeros((), dtype=torch.long)}, "shape []"),
+    ],
+)
+def test_a_read_batch_that_is_not_a_batch_of_the_size_asked_is_refused(batch, named):
+    from forge_lm.data.loader import BadBatch
+
+    loader = BatchLoader(BatchReadingDataset(_counting_samples(3), batch=batch), 3, vocab_size=16, seq_len=4)
+    with pytest.raises(BadBatch, match="read_batch") as caught:
+        next(iter(loader))
+    assert named in str(caught.value)

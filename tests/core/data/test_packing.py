@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from forge_lm.data.packing import TokenStream, num_windows, pack_documents, window_sample
+from forge_lm.data.packing import TokenStream, num_windows, pack_documents, window_batch, window_sample
 from forge_lm.tokenizers.byte_level import ByteTokenizer
 
 EOS = 256
@@ -70,3 +70,35 @@ def test_a_token_stream_reads_across_shard_boundaries():
         assert read.tolist() == reference[start : start + length].tolist()
     with pytest.raises(IndexError):
         stream.read(18, 3)
+
+
+@pytest.mark.parametrize(
+    "parts", [[np.arange(0, 40, dtype=np.uint16)], [np.arange(0, 5), np.arange(5, 6), np.arange(6, 40)]]
+)
+def test_reading_many_windows_is_reading_each(parts):
+    stream = TokenStream(
+        [part.astype(dtype) for part, dtype in zip(parts, [np.uint16, np.uint32, np.int64], strict=False)]
+    )
+    starts = np.array([0, 3, 4, 5, 6, 20, 31, 0])  # inside one part, across one or two boundaries, repeated
+    windows = stream.read_windows(starts, 9)
+    assert windows.dtype == np.int64
+    assert windows.shape == (8, 9)
+    assert windows.tolist() == [stream.read(int(start), 9).tolist() for start in starts]
+    windows[0, 0] = 99  # a copy: the stream is untouched
+    assert stream.read(0, 1).tolist() == [0]
+    for bad in ([32], [-1]):
+        with pytest.raises(IndexError):
+            stream.read_windows(np.array(bad), 9)
+
+
+@pytest.mark.parametrize("eos_id", [None, 7])
+def test_a_batch_of_windows_is_their_samples_stacked(eos_id):
+    windows = np.array([[7, 1, 2, 7, 3, 4, 7], [1, 2, 3, 4, 5, 6, 7], [7, 7, 7, 1, 7, 2, 3]], dtype=np.int64)
+    batch = window_batch(windows, eos_id)
+    samples = [window_sample(window, eos_id) for window in windows]
+    assert batch.keys() == samples[0].keys()
+    for key, value in batch.items():
+        stacked = torch.stack([sample[key] for sample in samples])
+        assert value.dtype == stacked.dtype == torch.int64
+        assert value.is_contiguous()
+        assert torch.equal(value, stacked), key

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
 from forge_lm.data.sampler import KeyedPermutation, WindowSampler
@@ -14,6 +15,48 @@ from forge_lm.errors import ForgeError
 def test_keyed_permutation_is_a_bijection_of_the_range(size):
     permutation = KeyedPermutation(size, key=12345)
     assert sorted(permutation[i] for i in range(size)) == list(range(size))
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 5, 16, 17, 1000, 4097, 70001])
+def test_take_computes_in_numpy_what_indexing_gives_one_by_one(size):
+    permutation = KeyedPermutation(size, key=987)
+    indices = np.arange(size) if size <= 5000 else np.random.default_rng(0).integers(0, size, 3000)
+    assert permutation.take(indices).tolist() == [permutation[int(i)] for i in indices]
+    assert permutation.take(indices[:3]).tolist() == [permutation[int(i)] for i in indices[:3]]  # few: the scalar walk
+    with pytest.raises(IndexError):
+        permutation.take(np.array([size]))
+
+
+def _windows_position_by_position(num_windows, seed, rank, dp_size, draws, start=0):
+    """The reference: each draw's window computed alone from its global position."""
+    reference = WindowSampler(num_windows, seed=seed, dp_rank=rank, dp_size=dp_size)
+    return [reference.window_at(start + rank + draw * dp_size) for draw in range(draws)]
+
+
+@pytest.mark.parametrize(("num_windows", "dp_size"), [(1, 1), (2, 3), (5, 2), (37, 3), (3000, 2), (100_003, 1)])
+def test_many_draws_at_once_are_the_windows_drawn_one_at_a_time(num_windows, dp_size):
+    for rank in range(dp_size):
+        sampler = WindowSampler(num_windows, seed=6, dp_rank=rank, dp_size=dp_size)
+        drawn = [sampler.next_index() for _ in range(5)]
+        drawn += sampler.next_indices(12).tolist() + sampler.next_indices(2500).tolist()
+        drawn += [sampler.next_index() for _ in range(3)]
+        assert drawn == _windows_position_by_position(num_windows, 6, rank, dp_size, len(drawn))
+        assert sampler.state_dict() == {
+            "epoch": len(drawn) * dp_size // num_windows,
+            "position": len(drawn) * dp_size % num_windows,
+            "num_windows": num_windows,
+        }
+
+
+def test_draws_after_a_skip_or_a_restore_are_computed_from_the_new_position():
+    sampler = WindowSampler(500, seed=3, dp_rank=1, dp_size=2)
+    _ = sampler.next_indices(10)  # a block computed ahead from position 1
+    sampler.skip(7)
+    assert sampler.next_indices(4).tolist() == _windows_position_by_position(500, 3, 1, 2, 4, start=2 * 17)
+    state = sampler.state_dict()
+    _ = sampler.next_indices(50)
+    sampler.load_state_dict(state)  # back: the block computed ahead is not what follows
+    assert sampler.next_indices(6).tolist() == _windows_position_by_position(500, 3, 1, 2, 6, start=2 * 21)
 
 
 def test_different_keys_give_different_orders_of_the_same_elements():

@@ -156,7 +156,7 @@ def test_list_plugins_shows_an_incompatible_plugin_with_its_reason_and_component
         "old",
         "forge-old",
         "3.0",
-        "incompatible: supports plugin API >=2,<3 but this core provides 1.3; install a release of the plugin "
+        "incompatible: supports plugin API >=2,<3 but this core provides 1.4; install a release of the plugin "
         "made for this core, or a core that provides API >=2,<3",
         "losses: old_loss",
     ] in table_rows(result.stdout)
@@ -226,7 +226,7 @@ def test_config_naming_a_component_of_an_incompatible_plugin_gives_the_reason(fo
     assert result.stderr == (
         "forge: error: [optimizer] name = 'old_opt': optimizer 'old_opt' comes from plugin 'old' (forge-old 1.0), "
         'which is incompatible: declares no plugin API range; add FORGE_LM_PLUGIN_API = ">=1,<2" to module '
-        "'forge_old' (this core provides plugin API 1.3).\n"
+        "'forge_old' (this core provides plugin API 1.4).\n"
     )
 
 

@@ -31,10 +31,10 @@ def forge_lm_save_state(context):
 
 NO_RANGE = (
     "declares no plugin API range; add FORGE_LM_PLUGIN_API = \">=1,<2\" to module 'forge_fake' "
-    "(this core provides plugin API 1.3)"
+    "(this core provides plugin API 1.4)"
 )
 EXCLUDING = (
-    "supports plugin API >=2,<3 but this core provides 1.3; install a release of the plugin made for "
+    "supports plugin API >=2,<3 but this core provides 1.4; install a release of the plugin made for "
     "this core, or a core that provides API >=2,<3"
 )
 INVALID = "FORGE_LM_PLUGIN_API = 'banana' is not a valid version range; write e.g. '>=1,<2'"
@@ -48,8 +48,8 @@ INCOMPATIBLE_CASES = [
 ]
 
 
-def test_core_provides_plugin_api_1_3():
-    assert PLUGIN_API_VERSION == "1.3"
+def test_core_provides_plugin_api_1_4():
+    assert PLUGIN_API_VERSION == "1.4"
 
 
 @pytest.mark.parametrize(("api", "recorded", "reason"), INCOMPATIBLE_CASES)

@@ -6,6 +6,8 @@ what makes skipping ahead and resuming O(1): there is no random stream to replay
 
 from __future__ import annotations
 
+import numpy as np
+
 MASK64 = (1 << 64) - 1
 
 
@@ -16,6 +18,14 @@ def mix64(value: int) -> int:
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & MASK64
     return value ^ (value >> 31)
+
+
+def mix64_array(values: np.ndarray) -> np.ndarray:
+    """:func:`mix64` of each of ``values`` (uint64; numpy's products wrap modulo 2**64 as the
+    masks do)."""
+    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return values ^ (values >> np.uint64(31))
 
 
 def hash_keys(*keys: int) -> int:

@@ -28,6 +28,11 @@ are not int64, labels or document ids of another shape than the inputs, sequence
 length than the run's, document ids that go down along a row) is a :class:`BadBatch`: the
 dataset's fault, which the loop reports naming it (:mod:`forge_lm.train.guards`). All of these
 checks read the batch on the host, before it goes to the device.
+
+A dataset that reads a whole batch at once (:class:`~forge_lm.components.ReadsBatches`, as the
+built-in text datasets do) is asked for each batch with ``read_batch(batch_size)`` instead of
+``batch_size`` draws of its iterator; what it returns is checked as a stacked batch is (a dict
+of tensors, each ``batch_size`` samples), then as any batch.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from typing import Any
 
 import torch
 
-from forge_lm.components import IGNORE_INDEX, SavesLocalState
+from forge_lm.components import IGNORE_INDEX, ReadsBatches, SavesLocalState
 from forge_lm.errors import ForgeError
 
 
@@ -91,9 +96,9 @@ class BatchLoader:
         return self._read_here()
 
     def _read_here(self) -> Iterator[dict[str, torch.Tensor]]:
-        samples = iter(self.dataset)
+        draw = batch_drawer(self.dataset)
         while True:
-            batch = _read_batch(samples, self.batches + 1, **self._read_options())
+            batch = _read_batch(draw, self.batches + 1, **self._read_options())
             if batch is None:
                 return
             self.batches += 1
@@ -199,7 +204,7 @@ class _ReadAhead:
         self._requests, self._results = queue.Queue(), queue.Queue()
         # The thread holds no reference to the loader (nor to this reader): a loader dropped
         # without close() is collected, and __del__ below tells the thread to end.
-        read = functools.partial(_read_batch, iter(loader.dataset), **loader._read_options())
+        read = functools.partial(_read_batch, batch_drawer(loader.dataset), **loader._read_options())
         self._thread = threading.Thread(
             target=_read_batches,
             args=(read, self._requests, self._results, device),
@@ -254,8 +259,46 @@ def _read_batches(
         results.put(("batch", batch))
 
 
+def batch_drawer(dataset: Any) -> Callable[[int], dict[str, torch.Tensor] | None]:
+    """A function that takes the next ``size`` samples of ``dataset`` stacked (None at its end):
+    its ``read_batch`` (:class:`~forge_lm.components.ReadsBatches`), checked, or draws of one
+    iterator of it, collated."""
+    if isinstance(dataset, ReadsBatches) and callable(dataset.read_batch):
+        return functools.partial(_read_whole_batch, dataset.read_batch)
+    samples = iter(dataset)
+
+    def draw(size: int) -> dict[str, torch.Tensor] | None:
+        try:
+            batch = [next(samples) for _ in range(size)]
+        except StopIteration:
+            return None
+        return collate(batch)
+
+    return draw
+
+
+def _read_whole_batch(read_batch: Callable[[int], Any], size: int) -> dict[str, torch.Tensor] | None:
+    batch = read_batch(size)
+    if batch is None:
+        return None
+    if not isinstance(batch, Mapping) or not batch or not all(isinstance(v, torch.Tensor) for v in batch.values()):
+        got = (
+            f"a dict holding {', '.join(sorted({type(v).__name__ for v in batch.values()}))}"
+            if isinstance(batch, Mapping) and batch
+            else f"{batch!r}"[:80]
+        )
+        raise BadBatch(f"returned {got} from read_batch({size}); a batch is a dict of tensors [batch_size, ...]")
+    for key, value in batch.items():
+        if value.ndim < 1 or value.shape[0] != size:
+            raise BadBatch(
+                f"returned {key} of shape {list(value.shape)} from read_batch({size}); each tensor of a batch "
+                f"holds batch_size = {size} samples along its first dimension"
+            )
+    return dict(batch)
+
+
 def _read_batch(
-    samples: Iterator[Any],
+    draw: Callable[[int], dict[str, torch.Tensor] | None],
     number: int,
     *,
     batch_size: int,
@@ -264,17 +307,16 @@ def _read_batch(
     pin_memory: bool,
     seq_len: int | None = None,
 ) -> dict[str, torch.Tensor] | None:
-    """Batch ``number`` (counted over the run) from ``samples``, checked and ready to hand out;
-    None at the end of a finite dataset (its incomplete last batch is dropped)."""
-    try:
-        batch = [next(samples) for _ in range(batch_size)]
-    except StopIteration:
+    """Batch ``number`` (counted over the run) from ``draw`` (:func:`batch_drawer`), checked and
+    ready to hand out; None at the end of a finite dataset (its incomplete last batch is dropped)."""
+    collated = draw(batch_size)
+    if collated is None:
         return None
-    collated = collate(batch)
+    steps = document_steps(collated.get("document_ids"))
     if vocab_size is not None:
         check_token_ids(collated, vocab_size, f"{source} (batch {number})")
-        check_layout(collated, seq_len, f"batch {number}")
-    collated = without_trivial_documents(collated)
+        check_layout(collated, seq_len, f"batch {number}", steps)
+    collated = without_trivial_documents(collated, steps)
     if pin_memory:
         collated = {key: value.pin_memory() for key, value in collated.items()}
     return collated
@@ -306,12 +348,34 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {key: torch.stack([sample[key] for sample in samples]) for key in keys}
 
 
-def check_layout(batch: dict[str, torch.Tensor], seq_len: int | None, where: str) -> None:
+def document_steps(documents: torch.Tensor | None) -> tuple[int, int] | None:
+    """The least and the greatest change of the document id from one position of a row to the
+    next (``(0, 0)`` for rows of one position), read from the host: one reduction for both checks
+    that use it. None when there are no document ids on the host to read (none, or on a device)."""
+    if (
+        not isinstance(documents, torch.Tensor)
+        or documents.device.type != "cpu"
+        or documents.ndim != 2
+        or documents.dtype.is_floating_point
+        or documents.dtype.is_complex
+        or documents.dtype == torch.bool
+    ):
+        return None
+    if documents.shape[0] == 0 or documents.shape[1] < 2:
+        return (0, 0)
+    low, high = torch.aminmax(documents.diff(dim=1))
+    return int(low), int(high)
+
+
+def check_layout(
+    batch: dict[str, torch.Tensor], seq_len: int | None, where: str, steps: tuple[int, int] | None = None
+) -> None:
     """What the model and the loss need of a training batch beyond its ids' range (a
     :class:`BadBatch` otherwise): ``input_ids`` and ``labels`` int64 ``[batch, seq_len]``,
     ``document_ids`` (optional) integers of the same shape, never decreasing along a row (a
     document is one run of tokens). Shapes and dtypes are metadata; the order of document ids
-    is read on the host, where the batch still is."""
+    is read on the host, where the batch still is (``steps``: :func:`document_steps` of them,
+    when the caller has it already)."""
     inputs = batch.get("input_ids")
     if inputs is None or "labels" not in batch:
         raise BadBatch(f"yielded samples without {'input_ids' if inputs is None else 'labels'} ({where})")
@@ -335,7 +399,9 @@ def check_layout(batch: dict[str, torch.Tensor], seq_len: int | None, where: str
         return
     if documents.dtype.is_floating_point or documents.dtype.is_complex or documents.dtype == torch.bool:
         raise BadBatch(f"yielded document_ids of dtype {_dtype(documents)} ({where}); document ids are integers")
-    if documents.device.type == "cpu" and documents.numel() and bool((documents[:, 1:] < documents[:, :-1]).any()):
+    if steps is None:
+        steps = document_steps(documents)
+    if steps is not None and steps[0] < 0:
         raise BadBatch(
             f"yielded document_ids that go down along a row ({where}); a document is one run of tokens, its id "
             "is the number of documents before it in the row (never decreasing)"
@@ -346,15 +412,22 @@ def _dtype(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def without_trivial_documents(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def without_trivial_documents(
+    batch: dict[str, torch.Tensor], steps: tuple[int, int] | None = None
+) -> dict[str, torch.Tensor]:
     """``batch`` without its ``document_ids`` when every row holds one document.
 
     Attention is then plain causal attention, which the model runs with its fused causal
     kernels when it gets no document ids. Deciding it here, on the host, before the batch goes
     to the device, spares the model a check on the device, which would make the host wait for
-    the device at every micro-batch."""
+    the device at every micro-batch. ``steps``: :func:`document_steps` of the document ids, when
+    the caller has it already (one row holds one document when no id changes along it)."""
     ids = batch.get("document_ids")
-    if ids is not None and ids.device.type == "cpu" and ids.numel() and bool((ids == ids[:, :1]).all()):
+    if ids is None or not ids.numel():
+        return batch
+    if steps is None:
+        steps = document_steps(ids)
+    if steps == (0, 0):
         batch = {key: value for key, value in batch.items() if key != "document_ids"}
     return batch
 
@@ -378,6 +451,9 @@ def check_token_ids(batch: dict[str, torch.Tensor], vocab_size: int, where: str)
                 "fix it (or the files it reads), or choose another [data] name."
             )
         if not ids.numel():
+            continue
+        low, high = torch.aminmax(ids)
+        if int(low) >= 0 and int(high) < vocab_size:  # the usual batch: one reduction, one read
             continue
         valid = (ids >= 0) & (ids < vocab_size)
         if key == "labels":

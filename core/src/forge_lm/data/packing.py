@@ -51,11 +51,12 @@ def pack_documents(texts: Iterable[str], tokenizer: Any) -> np.ndarray:
 
 
 def document_ids(input_ids: np.ndarray, eos_id: int | None) -> np.ndarray:
-    """Which document each input token belongs to, numbered from 0 within the window."""
+    """Which document each input token belongs to, numbered from 0 within the window (along the
+    last axis: one window, or a batch of them)."""
     if eos_id is None:
-        return np.zeros(len(input_ids), dtype=np.int64)
-    counts = np.cumsum(input_ids == eos_id, dtype=np.int64)
-    return counts - counts[0]
+        return np.zeros(input_ids.shape, dtype=np.int64)
+    counts = np.cumsum(input_ids == eos_id, axis=-1, dtype=np.int64)
+    return counts - counts[..., :1]
 
 
 def window_sample(window: np.ndarray, eos_id: int | None) -> dict[str, torch.Tensor]:
@@ -65,6 +66,17 @@ def window_sample(window: np.ndarray, eos_id: int | None) -> dict[str, torch.Ten
         "input_ids": tokens[:-1],
         "labels": tokens[1:],
         "document_ids": torch.from_numpy(document_ids(window[:-1], eos_id)),
+    }
+
+
+def window_batch(windows: np.ndarray, eos_id: int | None) -> dict[str, torch.Tensor]:
+    """The samples of ``windows`` (``[count, seq_len + 1]``, int64) stacked: what collating the
+    :func:`window_sample` of each would give, in a few numpy operations for the whole batch."""
+    inputs = np.ascontiguousarray(windows[:, :-1])
+    return {
+        "input_ids": torch.from_numpy(inputs),
+        "labels": torch.from_numpy(np.ascontiguousarray(windows[:, 1:])),
+        "document_ids": torch.from_numpy(document_ids(inputs, eos_id)),
     }
 
 
@@ -97,6 +109,28 @@ class TokenStream:
             pieces.append(np.array(piece, dtype=np.int64))  # a copy: never a view of a memory map
             start, length, part = start + len(piece), length - len(piece), part + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def read_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` for each of ``starts``, as an int64 array
+        ``[len(starts), length]``: one gather per shard for the windows inside it, :meth:`read`
+        for a window across a shard boundary. A copy, never a view of a memory map."""
+        starts = np.asarray(starts, dtype=np.int64)
+        if starts.size and (starts.min() < 0 or starts.max() + length > len(self)):
+            raise IndexError(f"windows of {length} tokens outside a stream of {len(self)}")
+        offsets = np.arange(length, dtype=np.int64)
+        if len(self.parts) == 1:  # the text datasets' one array: one gather (fancy indexing copies)
+            return self.parts[0][starts[:, None] + offsets].astype(np.int64, copy=False)
+        bounds = np.asarray(self.starts, dtype=np.int64)
+        first_part = np.searchsorted(bounds, starts, side="right") - 1
+        last_part = np.searchsorted(bounds, starts + length - 1, side="right") - 1
+        windows = np.empty((len(starts), length), dtype=np.int64)
+        for part in np.unique(first_part[first_part == last_part]):
+            inside = (first_part == part) & (last_part == part)
+            local = starts[inside] - bounds[part]
+            windows[inside] = self.parts[part][local[:, None] + offsets]
+        for row in np.flatnonzero(first_part != last_part):
+            windows[row] = self.read(int(starts[row]), length)
+        return windows
 
 
 def check_ids(window: np.ndarray, vocab_size: int, where: str) -> None:

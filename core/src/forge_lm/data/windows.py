@@ -1,14 +1,20 @@
-"""The dataset every built-in text corpus is: windows of a token stream, through the sampler."""
+"""The dataset every built-in text corpus is: windows of a token stream, through the sampler.
+
+It reads a batch at once (:class:`~forge_lm.components.ReadsBatches`): the sampler's windows
+for the whole batch, one gather of their tokens, one range check and the document ids in a few
+numpy operations, instead of the same work per sample (about 80 µs a sample on a 2-core
+machine, most of a small model's fixed cost per step)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from forge_lm.components import DataContext
-from forge_lm.data.packing import TokenStream, check_ids, num_windows, window_sample
+from forge_lm.data.packing import TokenStream, check_ids, num_windows, window_batch, window_sample
 from forge_lm.data.sampler import WindowSampler
 from forge_lm.data.splits import SplitIndices
 from forge_lm.errors import ConfigError, ForgeError
@@ -63,6 +69,17 @@ class WindowDataset:
         window = self.tokens.read(start, self.context.seq_len + 1)
         check_ids(window, self.context.vocab_size, self.source)
         return window_sample(window, self.eos_id)
+
+    def read_batch(self, size: int) -> dict[str, torch.Tensor]:
+        """The next ``size`` samples, stacked: what ``size`` draws of the iterator give."""
+        indices = self.sampler.next_indices(size)
+        if isinstance(self.windows, range):
+            chosen = self.windows.start + indices * self.windows.step
+        else:
+            chosen = np.fromiter((self.windows[int(i)] for i in indices), dtype=np.int64, count=size)
+        windows = self.tokens.read_windows(chosen * self.context.seq_len, self.context.seq_len + 1)
+        check_ids(windows, self.context.vocab_size, self.source)
+        return window_batch(windows, self.eos_id)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         # The sampler advances before each yield, so the state always names the next sample,

@@ -5,14 +5,15 @@ from __future__ import annotations
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-PLUGIN_API_VERSION = "1.3"
+PLUGIN_API_VERSION = "1.4"
 """Bumped in its major part when a hook or a component contract changes incompatibly, in its minor
 part when one is added. 1.1: ``forge_lm_register_commands``; the protocols of
 :mod:`forge_lm.components` that replace attribute probes; transform slots named by role. 1.2: an
 options class named by its import path (``register(..., config="module:Class")``), imported on use.
 1.3: ``ContextParallelModel.set_context_parallel(context_parallel)``, through which the model hands
 the group to its attention layers (a model with only 1.2's ``context_parallel`` attribute still
-runs, deprecated: the core then walks its modules, until 2.0)."""
+runs, deprecated: the core then walks its modules, until 2.0). 1.4: ``ReadsBatches``, a dataset's
+``read_batch(size)``, which the loader calls instead of ``size`` draws of its iterator."""
 
 API_ATTRIBUTE = "FORGE_LM_PLUGIN_API"
 """Module attribute in which a plugin declares the API range it supports, e.g. ``">=1,<2"``."""

@@ -32,7 +32,9 @@ expected (the pass mark) and what it measured.
   reference.
 - datasets: sample form; reproducibility; a state round trip restores the exact next sample,
   through ``state_dict()`` and, for a ``SavesLocalState`` dataset, ``local_state_dict()``;
-  data-parallel ranks get distinct samples.
+  data-parallel ranks get distinct samples; a ``ReadsBatches`` dataset's ``read_batch(size)``
+  is ``size`` samples of its iterator stacked (keys, values, dtypes) and advances its state as
+  they do.
 - metrics backends: writes only inside the run directory; what was logged is recorded.
 - tokenizers: ids and ``eos_id`` within the vocabulary; ``decode(encode(text)) == text`` over
   plain text, tabs and newlines, control characters, a character of each of Unicode's 17 planes
@@ -75,7 +77,10 @@ expected (the pass mark) and what it measured.
   forward and backward (attention's included, not halved for causality; plus 6 per vector
   parameter); ``parameter_roles`` covers every parameter, embeddings ``"embedding"``, the head
   ``"output"`` (or tied); a ``GenerationLimits`` model's ``vocab_size`` is its logits' width and
-  its ``max_seq_len`` its options'.
+  its ``max_seq_len`` its options'; a ``ContextParallelModel``'s ``set_context_parallel(cp)``
+  sets ``cp`` on the model and on every module declaring ``context_parallel``, and
+  ``set_context_parallel(None)`` sets None on them again (skipped when it refuses the group
+  with a ``ForgeError``).
 - attention layers, built with a small ``AttentionSpec`` and fed RoPE tables and the masks of
   ``attention_mask`` in SDPA's and eager attention's forms: shape-preserving and finite; no
   output depends on a later position, each on its own; a ``WindowedAttention`` query sees

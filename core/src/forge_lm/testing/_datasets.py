@@ -10,8 +10,8 @@ import itertools
 
 import torch
 
-from forge_lm.components import IGNORE_INDEX, DataContext, SavesLocalState
-from forge_lm.testing._kit import Subject, category_check
+from forge_lm.components import IGNORE_INDEX, DataContext, ReadsBatches, SavesLocalState
+from forge_lm.testing._kit import Subject, category_check, skip_check
 from forge_lm.testing._tiny import plain_round_trip
 
 DEFAULT_CONTEXT = DataContext(seq_len=16, vocab_size=64, seed=7)
@@ -111,3 +111,46 @@ def check_data_parallel_ranks_get_distinct_samples(subject: Subject) -> None:
         f"{subject.label}: ranks 0 and 1 of 2 receive the same samples ({len(overlap)} of rank 0's first 3 "
         "also reach rank 1); the kit expects 0 in common"
     )
+
+
+@category_check("datasets")
+def check_read_batch_is_the_samples_stacked(subject: Subject) -> None:
+    """A :class:`~forge_lm.components.ReadsBatches` dataset's ``read_batch(size)`` gives what
+    ``size`` draws of its iterator give, stacked, and leaves the dataset where they would: the
+    loader calls it instead of the iterator, so a difference would change what a run trains on."""
+    context = _context(subject)
+    if not isinstance(subject.build(context), ReadsBatches):
+        skip_check(f"{subject.label} has no read_batch(): the loader draws its samples one by one")
+    from forge_lm.data.loader import collate
+
+    for size in (1, 3):
+        reader, drawn = subject.build(context), subject.build(context)
+        _ = reader.read_batch(2), _take(drawn, 2)  # the first batch is not special
+        iterator = iter(drawn)
+        expected = collate([next(iterator) for _ in range(size)])
+        batch = reader.read_batch(size)
+        assert batch is not None and dict(batch).keys() == expected.keys(), (
+            f"{subject.label}: read_batch({size}) returned "
+            f"{'None' if batch is None else sorted(dict(batch))} where {size} samples stack to keys "
+            f"{sorted(expected)}; the kit expects the same keys"
+        )
+        different = [
+            key
+            for key, value in expected.items()
+            if not isinstance(batch[key], torch.Tensor)
+            or batch[key].dtype != value.dtype
+            or not torch.equal(batch[key], value)
+        ]
+        assert not different, (
+            f"{subject.label}: read_batch({size}) differs from {size} samples of its iterator stacked, in "
+            f"{', '.join(different)}; the kit expects the same values and dtypes (the loader calls read_batch "
+            "instead of the iterator)"
+        )
+        state = plain_round_trip(reader.state_dict())
+        resumed = subject.build(context)
+        resumed.load_state_dict(state)
+        assert _same(_take(resumed, 2), [next(iterator) for _ in range(2)]), (
+            f"{subject.label}: after read_batch(2) and read_batch({size}) its state_dict() does not name the "
+            f"position after {2 + size} samples; the kit expects read_batch to advance the dataset as that many "
+            "draws of its iterator do"
+        )
