@@ -14,6 +14,7 @@ from torch import nn
 
 from forge_lm import hookimpl
 from forge_lm.config import LlamaOptions
+from forge_lm.errors import ForgeError
 from forge_lm.model import KVCache, Transformer
 from forge_lm.model.flops import active_parameter_count
 from forge_lm.model.transformer import attention_spec, build_layers
@@ -290,4 +291,98 @@ def test_family_without_capabilities_passes_with_those_checks_skipped(manager):
         checks["cached_decoding_matches_the_full_forward"]()
     with pytest.raises(pytest.skip.Exception, match="has no flops_per_token"):
         checks["flops_per_token_matches_the_counted_matmuls"]()
+    with pytest.raises(pytest.skip.Exception, match=r"declares no set_context_parallel\(context_parallel\)"):
+        checks["set_context_parallel_reaches_every_layer_declaring_it"]()
     check_component("models", "bigram", manager=manager)
+
+
+def _passes(manager, name: str, check: str, options=TINY) -> None:
+    """Run one check, failing (not skipping) the test when the check does not apply."""
+    checks = {c.id.rsplit(":", 1)[1]: c for c in component_checks("models", name, manager=manager, options=options)}
+    try:
+        checks[check]()
+    except pytest.skip.Exception as skipped:
+        pytest.fail(f"{check} was skipped for '{name}': {skipped}")
+
+
+CONTEXT_PARALLEL = "set_context_parallel_reaches_every_layer_declaring_it"
+
+
+def test_the_llama_family_hands_the_context_parallel_group_to_every_layer(manager):
+    _passes(manager, "llama", CONTEXT_PARALLEL)
+    _passes(manager, "llama", CONTEXT_PARALLEL, {**TINY, "attention": {"name": "sliding_window", "window": 4}})
+
+
+class _Mixer(nn.Module):
+    """A parameter-free layer that would gather across the context-parallel group."""
+
+    context_parallel = None
+
+    def forward(self, x):
+        return x
+
+
+class _MissesItsMixer(Transformer):
+    """A layer outside the blocks that declares context_parallel; the inherited
+    set_context_parallel reaches only the blocks' attention."""
+
+    def __init__(self, config, vocab_size, feed_forwards, attentions=None):
+        super().__init__(config, vocab_size, feed_forwards, attentions)
+        self.mixer = _Mixer()
+
+
+class _ReachesItsMixer(_MissesItsMixer):
+    def set_context_parallel(self, context_parallel):
+        super().set_context_parallel(context_parallel)
+        self.mixer.context_parallel = context_parallel
+
+
+def test_family_whose_set_context_parallel_misses_a_layer_fails_the_context_parallel_check(manager):
+    _register(manager, "misses_mixer", _family(_MissesItsMixer))
+    message = _failure(manager, "misses_mixer", CONTEXT_PARALLEL)
+    assert message.startswith(
+        "model family 'misses_mixer': set_context_parallel(context_parallel) does not reach mixer (1 of the 4 modules "
+        "declaring a context_parallel attribute); the kit expects each to hold the object passed"
+    )
+    assert message.endswith(
+        "override set_context_parallel, call super().set_context_parallel(context_parallel) and set "
+        "context_parallel on those layers too"
+    )
+
+
+def test_the_same_family_reaching_its_layer_from_an_override_passes(manager):
+    _register(manager, "reaches_mixer", _family(_ReachesItsMixer))  # the fix the failure gives
+    _passes(manager, "reaches_mixer", CONTEXT_PARALLEL)
+
+
+class _KeepsTheGroup(Transformer):
+    """Ignores set_context_parallel(None): the layers keep gathering."""
+
+    def set_context_parallel(self, context_parallel):
+        if context_parallel is not None:
+            super().set_context_parallel(context_parallel)
+
+
+def test_family_that_keeps_the_group_after_none_fails_the_context_parallel_check(manager):
+    _register(manager, "keeps_group", _family(_KeepsTheGroup))
+    message = _failure(manager, "keeps_group", CONTEXT_PARALLEL)
+    assert message.startswith(
+        "model family 'keeps_group': set_context_parallel(None) leaves context_parallel set on (the model itself), "
+        "layers.0.attention, layers.1.attention; the kit expects None on every module declaring it again"
+    )
+
+
+class _RefusesTheGroup(Transformer):
+    def set_context_parallel(self, context_parallel):
+        if context_parallel is not None:
+            raise ForgeError("context parallelism: the layer Mixer does not gather keys and values.")
+        super().set_context_parallel(context_parallel)
+
+
+def test_family_refusing_the_group_skips_the_context_parallel_check(manager):
+    _register(manager, "refuses_group", _family(_RefusesTheGroup))
+    checks = {
+        c.id.rsplit(":", 1)[1]: c for c in component_checks("models", "refuses_group", manager=manager, options=TINY)
+    }
+    with pytest.raises(pytest.skip.Exception, match=r"refuses context parallelism with these options: .* layer Mixer"):
+        checks[CONTEXT_PARALLEL]()

@@ -17,7 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forge_lm.components import PARAMETER_ROLES, CountsFlops, DecodesWithCache, GenerationLimits, parameter_roles
+from forge_lm.components import (
+    PARAMETER_ROLES,
+    ContextParallelAttention,
+    ContextParallelModel,
+    CountsFlops,
+    DecodesWithCache,
+    GenerationLimits,
+    parameter_roles,
+)
 from forge_lm.config import ComponentConfig
 from forge_lm.errors import ForgeError
 from forge_lm.testing._init import first_difference, named_tensors
@@ -380,4 +388,73 @@ def check_generation_limits_are_the_models(subject: Subject) -> None:
     assert configured is None or limit == configured, (
         f"{subject.label}: model.max_seq_len is {limit} but its options' max_seq_len is {configured}; the kit "
         "expects the model's to be the one configured"
+    )
+
+
+class _StandInGroup:
+    """What :meth:`~forge_lm.components.ContextParallelModel.set_context_parallel` is handed, as
+    the protocol describes it (``gather``, ``gather_ids``, ``rank``, ``size``), without a process
+    group: its ``gather`` is that of a group whose ranks all hold the same values."""
+
+    rank, size = 0, 2
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat([x] * self.size, dim=dim)
+
+    def gather_ids(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat([x] * self.size, dim=dim)
+
+    def __repr__(self) -> str:
+        return "the kit's stand-in context-parallel group"
+
+
+def _paths(names: list[str]) -> str:
+    return ", ".join(name or "(the model itself)" for name in names)
+
+
+@category_check("models")
+def check_set_context_parallel_reaches_every_layer_declaring_it(subject: Subject) -> None:
+    """``set_context_parallel(group)`` of a :class:`~forge_lm.components.ContextParallelModel`
+    sets ``context_parallel`` on the model and on every module of it that declares the attribute
+    (:class:`~forge_lm.components.ContextParallelAttention`): the core calls it instead of
+    walking the modules (plugin API 1.3), so a layer it misses attends within its rank's slice
+    only. ``set_context_parallel(None)`` then sets None on each of them again. A model refusing
+    the group (a layer that cannot gather, named in a ForgeError) skips the check."""
+    from forge_lm.distributed.context_parallel import declares_only_the_attribute
+
+    model = _build(subject)
+    if not isinstance(model, ContextParallelModel):
+        how = (
+            "declares only the context_parallel attribute (plugin API 1.2's ContextParallelModel, deprecated)"
+            if declares_only_the_attribute(model)
+            else "declares no set_context_parallel(context_parallel) (ContextParallelModel)"
+        )
+        skip_check(f"{subject.label} {how}: the kit checks set_context_parallel on a model that defines it")
+    declaring = [name for name, module in model.named_modules() if isinstance(module, ContextParallelAttention)]
+    group = _StandInGroup()
+    try:
+        model.set_context_parallel(group)
+    except ForgeError as exc:
+        skip_check(f"{subject.label} refuses context parallelism with these options: {str(exc).rstrip('.')}")
+    except Exception as exc:
+        raise AssertionError(
+            f"{subject.label}: set_context_parallel({group!r}) raised {type(exc).__name__}: {exc}; the kit expects it "
+            "to set the object on the model's layers, or to refuse with a ForgeError naming the layer that cannot "
+            "gather (the object has gather(x, dim), gather_ids(x, dim), rank and size, and nothing more)"
+        ) from exc
+    modules = dict(model.named_modules())
+    missed = [name for name in declaring if getattr(modules[name], "context_parallel", None) is not group]
+    assert not missed, (
+        f"{subject.label}: set_context_parallel(context_parallel) does not reach {_paths(missed)} ({len(missed)} of "
+        f"the {len(declaring)} modules declaring a context_parallel attribute); the kit expects each to hold the "
+        "object passed (the core calls set_context_parallel and no longer walks the modules, so a layer it misses "
+        "attends only within its rank's slice of the sequence): override set_context_parallel, call "
+        "super().set_context_parallel(context_parallel) and set context_parallel on those layers too"
+    )
+    model.set_context_parallel(None)
+    kept = [name for name in declaring if getattr(modules[name], "context_parallel", None) is not None]
+    assert not kept, (
+        f"{subject.label}: set_context_parallel(None) leaves context_parallel set on {_paths(kept)}; the kit expects "
+        "None on every module declaring it again (attention within the rank's own tokens): have "
+        "set_context_parallel hand None to those layers as it hands them the group"
     )
