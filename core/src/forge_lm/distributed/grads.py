@@ -24,6 +24,8 @@ def global_grad_norm(
     grads = [p.grad for p in parameters if p.grad is not None]
     by_mesh = _by_mesh(grads, grad=False)
     device = grads[0].device if grads else torch.device("cpu")
+    if pp_group is None and len(by_mesh) == 1 and None in by_mesh:  # plain tensors: torch's norm is the norm
+        return torch.nn.utils.get_total_norm(by_mesh[None], norm_type=2.0).float()
     squared = torch.zeros((), dtype=torch.float32, device=device)
     for mesh, group in by_mesh.items():
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
@@ -40,10 +42,18 @@ def clip_grads(
 ) -> torch.Tensor:
     """Scale the gradients so their global norm is at most ``max_norm`` (0 or inf: measure only);
     returns the norm before clipping, a 0-d tensor on the gradients' device (reading it is the
-    caller's choice: it waits for the device)."""
+    caller's choice: it waits for the device).
+
+    The scale is torch's, ``min(max_norm / (norm + 1e-6), 1)``. On an accelerator it is applied
+    whatever it is, so nothing waits for the device; on the CPU, where every operation has
+    finished when it returns, the scale is read and gradients that need none are left as they
+    are: multiplying every gradient by 1 reads and writes each of them once more (about 0.6 ms a
+    step for a model of 1 M parameters on a 2-core machine, 1% of its step)."""
     parameters = list(parameters)
     norm = global_grad_norm(parameters, pp_group)
     if max_norm and math.isfinite(max_norm):
+        if norm.device.type == "cpu" and not bool(max_norm / (norm + 1e-6) < 1.0):  # torch's coefficient, fp32
+            return norm
         # One call per mesh: torch's foreach kernels refuse DTensors of different meshes in one list.
         for group in _by_mesh(p for p in parameters if p.grad is not None).values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)

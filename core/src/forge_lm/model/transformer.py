@@ -26,7 +26,6 @@ from forge_lm.components import (
     ContextParallelAttention,
     ModelContext,
     RotaryAttention,
-    WindowedAttention,
 )
 from forge_lm.config import ComponentConfig, LlamaOptions, ModelSection
 from forge_lm.errors import ForgeError, PluginError
@@ -341,8 +340,9 @@ class Transformer(nn.Module):
 
         def mask_for(layer: nn.Module) -> tuple[Any, bool]:
             # A windowed layer's mask is built once per forward for its window and shared by
-            # every layer with that window.
-            window = layer.attention.window if isinstance(layer.attention, WindowedAttention) else None
+            # every layer with that window. The attribute is WindowedAttention's whole protocol;
+            # getattr asks what isinstance would, without a runtime protocol check per layer.
+            window = getattr(layer.attention, "window", None)
             if window not in masks:
                 masks[window] = self._windowed_mask(window, input_ids, document_ids, positions, kv_cache, start, seq)
             return masks[window]

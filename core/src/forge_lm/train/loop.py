@@ -149,10 +149,10 @@ def _train(config: ForgeConfig, manager: PluginManager, directory: RunDirectory,
         manager.call("forge_lm_train_start", context=context)
         watchdog.doing(None)  # from here on: steps, evaluations, saves
         window_start, window_tokens = time.perf_counter(), 0
-        memory = MemoryMetrics(parts.device)
         with (
             PreemptionWatcher(config.resilience.signal_timeout) as preemption,
             StepProfiler(config.profiling, run_dir, rank(), parts.device) as profiler,
+            MemoryMetrics(parts.device) as memory,
         ):
             try:  # the last safe point of the start-up; from here on the watcher has the signals
                 check_startup()

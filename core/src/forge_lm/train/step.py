@@ -63,7 +63,7 @@ def compute_gradients(
             loss_sum = parts.pipeline.train_step(micro_batches) * accum
         loss_sum = torch.tensor(loss_sum, dtype=torch.float64, device=device)
     else:
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        loss_sum = None  # this rank's data loss summed over its micro-batches, float64
         for micro in range(accum):
             batch = next(batches)
             sync = micro == accum - 1 or not config.distributed.defer_grad_reduction
@@ -84,13 +84,14 @@ def compute_gradients(
                 full = loss if aux_total is None else loss + aux_total
                 if parts.loss_scaler is not None:  # fp16: small gradients stay representable
                     full = parts.loss_scaler.scaled(full)
-                (full / accum).backward()
-            loss_sum = loss_sum + reports.data_loss(loss).double()
+                (full if accum == 1 else full / accum).backward()  # one micro-batch: no scaling to do
+            data_loss = reports.data_loss(loss).double()
+            loss_sum = data_loss if loss_sum is None else loss_sum + data_loss
     if parts.loss_scaler is not None:  # clipping, the norm and the optimizer see true gradients
         parts.loss_scaler.unscale(model.parameters())
     max_norm = config.train.grad_clip or math.inf  # inf: measure the norm without clipping
     grad_norm = clip_grads(model.parameters(), max_norm, parts.pp_group)
-    return loss_sum / accum, grad_norm, reports
+    return (loss_sum if accum == 1 else loss_sum / accum), grad_norm, reports
 
 
 _PASSES = "the forward or backward pass"  # what a failure inside the model was raised in
