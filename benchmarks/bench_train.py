@@ -298,7 +298,8 @@ class ForgeSide:
             for _ in range(steps):
                 lr = optimizer.param_groups[0]["lr"]
                 local_loss, norm, reports = compute_gradients(self.parts, self.batches, config)
-                step_loss, finite, _ = agree_on_step(local_loss, norm, False, self.parts.dims)
+                agreement = agree_on_step(local_loss, norm, False, self.parts.dims)
+                step_loss, finite = agreement.loss, agreement.finite
                 scaler = self.parts.loss_scaler  # precision = "fp16": an overflow skips the step, as in the loop
                 if not finite and scaler is not None and scaler.overflowed(step_loss.item(), norm.item()):
                     optimizer.zero_grad(set_to_none=True)

@@ -31,7 +31,11 @@ from _record import HERE, RESULTS, headlines, write_results_md
 BENCHMARKS: list[tuple[str, list[str], list[str]]] = [
     ("bench_startup.py", ["--rounds", "10"], ["--rounds", "2", "--warmup", "1"]),
     ("bench_train.py", ["--rounds", "3", "--steps", "10", "--compile"], ["--quick"]),
-    ("bench_overhead.py", ["--steps", "300", "--rounds", "5"], ["--steps", "30", "--rounds", "1"]),
+    (
+        "bench_overhead.py",
+        ["--steps", "300", "--rounds", "5", "--pairs", "120"],
+        ["--steps", "30", "--rounds", "1", "--pairs", "8"],
+    ),
     ("bench_data.py", ["--rounds", "5"], ["--quick"]),
     ("bench_checkpoint.py", ["--rounds", "5"], ["--quick"]),
     ("bench_muon.py", ["--rounds", "3"], ["--rounds", "2", "--warmup", "1"]),

@@ -39,3 +39,19 @@ def test_a_part_that_is_not_called_where_the_loop_looks_is_caught(bench, tmp_pat
     _, parts = overhead.forge_steps(6, tmp_path / "run", PluginSettings(autoload=False))
 
     assert parts["never called"] == pytest.approx([0.0] * 4)
+
+
+def test_paired_steps_alternate_inside_the_loop_and_the_row_is_their_median_difference(bench, tmp_path):
+    overhead = bench("bench_overhead")
+    before = run.Run.step
+
+    forge, plain = overhead.paired_steps(list(overhead.MICRO), 8, tmp_path, PluginSettings(autoload=False))
+
+    assert len(forge) == len(plain) == 6  # 8 steps: the first and the last left out
+    assert all(value > 0 for value in forge + plain)
+    assert run.Run.step is before
+    row = overhead.paired_row("micro", [5.0, 4.0, 9.0], [3.0, 3.5, 2.0])  # differences 2, 0.5, 7
+    assert row["overhead_ms"] == pytest.approx(2000.0)
+    assert row["overhead_share"] == pytest.approx(2.0 / 3.0)
+    low, high = row["overhead_ms_95"]
+    assert 500.0 <= low <= 2000.0 <= high <= 7000.0

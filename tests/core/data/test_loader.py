@@ -339,12 +339,15 @@ def test_the_text_datasets_batches_are_their_samples_read_one_by_one(byte_contex
         return WindowDataset(TokenStream(parts), context, eos_id=256, source="the stream")
 
     by_batches, by_samples = dataset(), dataset()
-    samples = iter(by_samples)
-    for _ in range(9):  # 9 x 5 x 2 ranks > 43 windows: into the third epoch
+    samples, drawn_between = iter(by_samples), iter(by_batches)
+    for index in range(9):  # 9 x 5 x 2 ranks > 43 windows: into the third epoch
         batch = by_batches.read_batch(5)
         expected = collate([next(samples) for _ in range(5)])
         assert batch.keys() == expected.keys()
         assert all(torch.equal(batch[key], expected[key]) and batch[key].is_contiguous() for key in batch)
+        if index % 3 == 1:  # a sample drawn by the iterator between two batches: the batches move on past it
+            between, reference = next(drawn_between), next(samples)
+            assert all(torch.equal(value, reference[key]) for key, value in between.items())
     assert by_batches.state_dict() == by_samples.state_dict()
     resumed = dataset()
     resumed.load_state_dict(plain(by_batches.state_dict()))
@@ -368,3 +371,30 @@ def test_a_read_batch_that_is_not_a_batch_of_the_size_asked_is_refused(batch, na
     with pytest.raises(BadBatch, match="read_batch") as caught:
         next(iter(loader))
     assert named in str(caught.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_document_ids_that_go_down_are_refused_whatever_their_integer_type(dtype):
+    """Unsigned ids too: a decrease is not read as a large step up (a wrap-around)."""
+    from forge_lm.data.loader import BadBatch
+
+    def sample(documents):
+        return {
+            "input_ids": torch.arange(4),
+            "labels": torch.arange(4),
+            "document_ids": torch.tensor(documents, dtype=dtype),
+        }
+
+    good = next(iter(BatchLoader([sample([0, 0, 1, 1]), sample([0, 1, 2, 3])], 2, vocab_size=8, seq_len=4)))
+    assert good["document_ids"].tolist() == [[0, 0, 1, 1], [0, 1, 2, 3]]
+    with pytest.raises(BadBatch, match="go down along a row"):
+        next(iter(BatchLoader([sample([0, 0, 1, 1]), sample([0, 2, 1, 3])], 2, vocab_size=8, seq_len=4)))
+
+
+@pytest.mark.parametrize(("ids", "bad"), [([0, 3, 8, 1], "8"), ([0, -1, 2, 1], "-1")])
+def test_ids_outside_the_vocabulary_are_named(ids, bad):
+    sample = {"input_ids": torch.tensor(ids), "labels": torch.tensor([1, 2, 3, 4])}
+    with pytest.raises(ForgeError, match=rf"input_ids outside the model's vocabulary of 8 ids \(0 to 7\): {bad}\."):
+        next(iter(BatchLoader([sample], 1, vocab_size=8, seq_len=4)))
+    labels = {"input_ids": torch.tensor([1, 2, 3, 4]), "labels": torch.tensor([1, -100, 2, 3])}  # the ignore index
+    assert next(iter(BatchLoader([labels], 1, vocab_size=8, seq_len=4)))["labels"].tolist() == [[1, -100, 2, 3]]

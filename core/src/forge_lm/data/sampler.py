@@ -139,8 +139,18 @@ class WindowSampler:
 
     def next_indices(self, count: int) -> np.ndarray:
         """This rank's next ``count`` windows (int64); advances the state by ``count`` draws."""
-        first = self._start + self.dp_rank
+        windows = self.peek_indices(count)
         self._start += count * self.dp_size
+        return windows
+
+    @property
+    def position(self) -> int:
+        """The first global position of the next draw (the same on every rank): what the state is."""
+        return self._start
+
+    def peek_indices(self, count: int) -> np.ndarray:
+        """This rank's next ``count`` windows (int64), without drawing them."""
+        first = self._start + self.dp_rank
         start, windows = self._ahead
         offset, misaligned = divmod(first - start, self.dp_size)
         if misaligned or offset < 0 or offset + count > len(windows):

@@ -5,7 +5,7 @@ Every helper is a no-op in a single process, so callers need no special case for
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,12 +45,21 @@ def barrier(group: Any = None) -> None:
         dist.barrier(group=group)
 
 
-def agree_on_step(
-    loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool, dims: ParallelDims
-) -> tuple[torch.Tensor, bool, bool]:
+class StepAgreement(NamedTuple):
+    """What :func:`agree_on_step` found."""
+
+    loss: torch.Tensor  # the loss averaged over the ranks that read different data (on the device)
+    finite: bool  # the loss and the gradient norm are finite on every rank
+    stop: bool  # some rank asks to stop
+    # (loss, grad_norm) as numbers, where the agreement read them (one process): a logged step
+    # then reads nothing more.
+    numbers: tuple[float, float] | None = None
+
+
+def agree_on_step(loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool, dims: ParallelDims) -> StepAgreement:
     """What every rank must agree on after a step's backward, in one collective and one read:
-    ``(the loss averaged over the ranks that read different data, whether the loss and the
-    gradient norm are finite on every rank, whether any rank asks to stop)``.
+    the loss averaged over the ranks that read different data, whether the loss and the gradient
+    norm are finite on every rank, whether any rank asks to stop (:class:`StepAgreement`).
 
     ``loss``: this rank's data loss (0 on pipeline stages without the head), ``grad_norm`` the
     global norm, both 0-d tensors on the training device; ``stop``: a preemption signal noted
@@ -60,17 +69,21 @@ def agree_on_step(
     divided by the data-parallel, context-parallel and tensor-parallel degrees is the mean over
     the data. The mean stays a tensor; the two flags are read, the step's one wait for the device.
     In one process there is nothing to sum: the loss and the norm are read together, in that one
-    wait, and checked as numbers (a third of the small device operations of the packed form)."""
+    wait, checked as numbers (a third of the small device operations of the packed form) and
+    kept (``numbers``)."""
     if not distributed():
-        both = torch.stack([loss.detach().double(), grad_norm.detach().double()])
+        # Read as they are when they share a dtype (float32: every value of it is a float, exactly).
+        pair = [loss.detach(), grad_norm.detach()]
+        both = torch.stack(pair if loss.dtype == grad_norm.dtype else [value.double() for value in pair])
         loss_value, norm_value = both.tolist()
-        return both[0], math.isfinite(loss_value) and math.isfinite(norm_value), stop
-    finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        return StepAgreement(both[0], finite, stop, (loss_value, norm_value))
+    finite_here = torch.isfinite(loss) & torch.isfinite(grad_norm)
     stop_flag = torch.tensor(1.0 if stop else 0.0, dtype=torch.float64, device=loss.device)
-    packed = torch.stack([loss.detach().double(), (~finite).double(), stop_flag])
+    packed = torch.stack([loss.detach().double(), (~finite_here).double(), stop_flag])
     dist.all_reduce(packed)
     bad_ranks, stopping_ranks = packed[1:].tolist()
-    return packed[0] / (dims.dp_size * dims.cp * dims.tp), bad_ranks == 0, stopping_ranks > 0
+    return StepAgreement(packed[0] / (dims.dp_size * dims.cp * dims.tp), bad_ranks == 0, stopping_ranks > 0)
 
 
 def mean_over_data_parallel(value: Any, mesh: Any, dims: ParallelDims) -> Any:

@@ -63,7 +63,7 @@ def compute_gradients(
             loss_sum = parts.pipeline.train_step(micro_batches) * accum
         loss_sum = torch.tensor(loss_sum, dtype=torch.float64, device=device)
     else:
-        loss_sum = None  # this rank's data loss summed over its micro-batches, float64
+        loss_sum = None  # this rank's data loss summed over its micro-batches (float64 from the second on)
         for micro in range(accum):
             batch = next(batches)
             sync = micro == accum - 1 or not config.distributed.defer_grad_reduction
@@ -74,7 +74,8 @@ def compute_gradients(
             with calling, gradient_sync(model, enabled=sync), collect_aux() as reports, sharded_loss:
                 # [train] activation_offload: what the forward saves waits in host memory (the backward,
                 # outside, brings it back); forge_lm.distributed.offload.
-                autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+                # fp32: no autocast region at all (building a disabled one costs as much as a small operation)
+                autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
                 with autocast, saved_activations(config, device):
                     logits, labels = forward(model, batch, context_parallel)
                     with guards.loss.calling("its loss function", step):
@@ -85,8 +86,8 @@ def compute_gradients(
                 if parts.loss_scaler is not None:  # fp16: small gradients stay representable
                     full = parts.loss_scaler.scaled(full)
                 (full if accum == 1 else full / accum).backward()  # one micro-batch: no scaling to do
-            data_loss = reports.data_loss(loss).double()
-            loss_sum = data_loss if loss_sum is None else loss_sum + data_loss
+            data_loss = reports.data_loss(loss)  # summed in float64 over several micro-batches
+            loss_sum = data_loss if loss_sum is None else loss_sum.double() + data_loss.double()
     if parts.loss_scaler is not None:  # clipping, the norm and the optimizer see true gradients
         parts.loss_scaler.unscale(model.parameters())
     max_norm = config.train.grad_clip or math.inf  # inf: measure the norm without clipping

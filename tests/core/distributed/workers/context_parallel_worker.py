@@ -87,7 +87,8 @@ def run_case(rest: list[str]) -> dict:
     mine = [{key: value[dp_rank::dp_size] for key, value in batch.items()} for batch in micro]
 
     loss, grad_norm, _ = compute_gradients(parts, iter(mine), config)
-    step_loss, finite, _ = agree_on_step(loss, grad_norm, False, parts.dims)  # the loop's own mean
+    agreement = agree_on_step(loss, grad_norm, False, parts.dims)  # the loop's own mean
+    step_loss, finite = agreement.loss, agreement.finite
     loss, grad_norm = step_loss.item(), grad_norm.item()
 
     reference_loss = 0.0
