@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import io
+import itertools
 import threading
 import time
 
@@ -324,10 +325,12 @@ def test_a_dataset_that_reads_batches_is_asked_for_whole_batches(read_ahead):
 
 
 def test_the_text_datasets_batches_are_their_samples_read_one_by_one(byte_context):
-    """The built-in datasets read batches (``read_batch``); over shard boundaries, epochs and a
-    restore, each batch is what collating the same dataset's samples gives."""
+    """The built-in datasets read batches (``read_batch``) and samples from a block read ahead;
+    over shard boundaries, epochs, samples drawn between batches and a restore, each is what
+    reading its window alone gives."""
     from forge_lm.data.loader import collate
     from forge_lm.data.packing import TokenStream
+    from forge_lm.data.sampler import WindowSampler
     from forge_lm.data.windows import WindowDataset
 
     tokens = np.random.default_rng(1).integers(0, 257, 700)
@@ -338,17 +341,21 @@ def test_the_text_datasets_batches_are_their_samples_read_one_by_one(byte_contex
     def dataset():
         return WindowDataset(TokenStream(parts), context, eos_id=256, source="the stream")
 
-    by_batches, by_samples = dataset(), dataset()
-    samples, drawn_between = iter(by_samples), iter(by_batches)
+    # The reference: each window read on its own (TokenStream.read, window_sample), in the order
+    # a sampler of its own gives, position by position.
+    by_batches, reference = dataset(), dataset()
+    order = WindowSampler(len(reference), seed=context.seed, dp_rank=1, dp_size=2)
+    samples = (reference.sample(order.next_index()) for _ in itertools.count())
+    drawn_between = iter(by_batches)
     for index in range(9):  # 9 x 5 x 2 ranks > 43 windows: into the third epoch
         batch = by_batches.read_batch(5)
         expected = collate([next(samples) for _ in range(5)])
         assert batch.keys() == expected.keys()
         assert all(torch.equal(batch[key], expected[key]) and batch[key].is_contiguous() for key in batch)
         if index % 3 == 1:  # a sample drawn by the iterator between two batches: the batches move on past it
-            between, reference = next(drawn_between), next(samples)
-            assert all(torch.equal(value, reference[key]) for key, value in between.items())
-    assert by_batches.state_dict() == by_samples.state_dict()
+            between, alone = next(drawn_between), next(samples)
+            assert all(torch.equal(value, alone[key]) for key, value in between.items())
+    assert by_batches.state_dict() == {"sampler": order.state_dict()}
     resumed = dataset()
     resumed.load_state_dict(plain(by_batches.state_dict()))
     expected = collate([next(samples) for _ in range(4)])

@@ -158,7 +158,7 @@ class WindowSampler:
             block = max(count, min(BLOCK, -(-self.num_windows // self.dp_size)))
             self._ahead = start, windows = first, self._windows_from(first, block)
             offset = 0
-        return windows[offset : offset + count]
+        return windows[offset : offset + count].copy()  # the block stays as computed, whatever the caller does
 
     def _windows_from(self, first: int, count: int) -> np.ndarray:
         """The windows at positions ``first``, ``first + dp_size``, ... (``count`` of them)."""

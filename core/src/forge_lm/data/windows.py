@@ -6,7 +6,8 @@ the whole block, one gather of their tokens, one range check and the document id
 numpy operations, after which each batch is a slice of the block. The same work per sample
 costs about 80 µs a sample on a 2-core machine, most of a small model's fixed cost per step;
 the block is only a cache (the state is still the sampler's position), and a batch is the same
-whichever way it was read."""
+whichever way it was read. The iterator hands out the block's rows one by one, so a mixture of
+these datasets, which draws sample by sample, reads blocks too."""
 
 from __future__ import annotations
 
@@ -108,8 +109,10 @@ class WindowDataset:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         # The sampler advances before each yield, so the state always names the next sample,
         # including for an iterator that is already running when load_state_dict is called.
+        # Each sample is a row of the block read_batch reads ahead: drawn one by one (a mixture's
+        # source), a sample costs a slice instead of its own read and checks.
         while True:
-            yield self.sample(self.sampler.next_index())
+            yield {key: value[0] for key, value in self.read_batch(1).items()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}
