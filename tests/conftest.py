@@ -124,6 +124,7 @@ SLOW_TESTS: tuple[str, ...] = (
     "tests/core/distributed/test_meta_init.py",
     "tests/core/distributed/test_pp_validation.py",
     "tests/core/distributed/test_teardown.py",
+    "tests/core/testing/test_torchrun_launcher.py",
     "tests/core/distributed/test_tensor_parallel.py",
     "tests/core/distributed/test_torchrun_cli.py",
     "tests/core/observability/test_collective_timeout.py",
