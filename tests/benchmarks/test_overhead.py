@@ -55,3 +55,7 @@ def test_paired_steps_alternate_inside_the_loop_and_the_row_is_their_median_diff
     assert row["overhead_share"] == pytest.approx(2.0 / 3.0)
     low, high = row["overhead_ms_95"]
     assert 500.0 <= low <= 2000.0 <= high <= 7000.0
+    assert row["mean_overhead_ms"] == pytest.approx(9500.0 / 3)  # the slow pair counts in full
+    assert row["mean_overhead_share"] == pytest.approx((9.5 / 3) / (8.5 / 3))
+    low, high = row["mean_overhead_ms_95"]
+    assert 500.0 <= low <= 9500.0 / 3 <= high <= 7000.0
