@@ -61,6 +61,7 @@ def test_a_forked_launch_gives_what_a_fresh_torchrun_gives(tmp_path: Path, monke
         if code:  # torchrun's own report of the failed rank, in both
             assert "exitcode  : 3" in forked.stderr
             assert "exitcode  : 3" in fresh.stderr
+            assert "forge_lm" not in forked.stderr  # the server's own frames are not in torchrun's traceback
 
 
 def test_a_launch_out_of_time_ends_its_ranks_and_the_next_launch_runs(tmp_path: Path) -> None:

@@ -50,10 +50,11 @@ def _child(request: dict[str, Any]) -> int:
             return code
         print(code, file=sys.stderr)
         return 1
-    except BaseException:  # noqa: BLE001 - what the command would print before exiting 1
+    except BaseException as error:  # noqa: BLE001 - what the command prints before exiting 1
         import traceback
 
-        traceback.print_exc()
+        # From torchrun's main down, as the interpreter prints it: this module's frame left out.
+        traceback.print_exception(type(error), error, error.__traceback__.tb_next)
         return 1
     return 0
 
