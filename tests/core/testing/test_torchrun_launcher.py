@@ -64,6 +64,14 @@ def test_a_forked_launch_gives_what_a_fresh_torchrun_gives(tmp_path: Path, monke
             assert "forge_lm" not in forked.stderr  # the server's own frames are not in torchrun's traceback
 
 
+def test_a_launch_runs_where_the_caller_is_now(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``cwd``, the caller's working directory at the call, not the server's."""
+    (tmp_path / "here.py").write_text("import os\nprint(os.getcwd())\n")
+    torchrun([str(tmp_path / "here.py")], nproc=1)  # the server runs before the directory changes
+    monkeypatch.chdir(tmp_path)
+    assert torchrun(["here.py"], nproc=1).stdout == f"{tmp_path}\n"
+
+
 def test_a_launch_out_of_time_ends_its_ranks_and_the_next_launch_runs(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     pids.mkdir()

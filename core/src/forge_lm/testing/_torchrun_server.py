@@ -33,8 +33,7 @@ def _child(request: dict[str, Any]) -> int:
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(out, fd)
         os.close(out)
-    if request.get("cwd"):
-        os.chdir(request["cwd"])
+    os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = ["torchrun", *request["argv"]]

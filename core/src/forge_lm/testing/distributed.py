@@ -66,7 +66,8 @@ class _TorchrunServer:
     ) -> subprocess.CompletedProcess:
         with self._lock, tempfile.TemporaryDirectory(prefix="forge-torchrun-") as scratch:
             out, err = Path(scratch, "stdout"), Path(scratch, "stderr")
-            request = {"argv": argv, "env": dict(env), "cwd": str(cwd) if cwd else None}
+            # The caller's directory, as subprocess.run would use it: the server's may be another.
+            request = {"argv": argv, "env": dict(env), "cwd": os.path.abspath(cwd if cwd else os.getcwd())}
             process = self._started()
             process.stdin.write(json.dumps({**request, "stdout": str(out), "stderr": str(err)}) + "\n")
             process.stdin.flush()
