@@ -32,7 +32,7 @@ demo: setup
 		'  . .venv/bin/activate' "  forge generate $$run --prompt 'def ' --temperature 0.8" \
 		"  forge plot $$run" '  forge train configs/debug.toml' '  forge list-plugins'
 
-# The whole suite but the `bench` tier (about 28 to 30 minutes on 2 cores), after lint. The tiers are
+# The whole suite but the `bench` tier (about 28 minutes on 2 cores), after lint. The tiers are
 # pytest markers (pyproject.toml); tests/conftest.py marks the slow tests by path.
 test: setup lint
 	$(PY) -m pytest -m "not bench"
