@@ -67,9 +67,10 @@ class _TorchrunServer:
         with self._lock, tempfile.TemporaryDirectory(prefix="forge-torchrun-") as scratch:
             out, err = Path(scratch, "stdout"), Path(scratch, "stderr")
             # The caller's directory, as subprocess.run would use it: the server's may be another.
-            request = {"argv": argv, "env": dict(env), "cwd": os.path.abspath(cwd if cwd else os.getcwd())}
+            cwd = os.path.abspath(cwd if cwd else os.getcwd())
+            request = {"argv": argv, "env": dict(env), "cwd": cwd, "stdout": str(out), "stderr": str(err)}
             process = self._started()
-            process.stdin.write(json.dumps({**request, "stdout": str(out), "stderr": str(err)}) + "\n")
+            process.stdin.write(json.dumps(request).encode() + b"\n")
             process.stdin.flush()
             pid = self._answer(process, None)["pid"]
             try:
@@ -95,9 +96,7 @@ class _TorchrunServer:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "forge_lm.testing._torchrun_server"],
                 stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                bufsize=0,
+                stdout=subprocess.PIPE,  # bytes, read from the descriptor (_answer)
             )
             self._pending = b""
             atexit.register(self._process.stdin.close)
